@@ -1,0 +1,135 @@
+"""Multi-turn chess puzzle environment: the model plays the puzzle through a `move` tool.
+
+Each turn the model sees the board as text (side to move, FEN, the legal moves) and
+answers with one `move` tool call. The environment checks the move against the puzzle solution
+(Lichess rules: any mate is accepted on the last move), plays the opponent's reply and continues.
+Reward 1 for a solved puzzle, else 0 (`partial_credit` gives the fraction of player moves found).
+An illegal or malformed move ends the episode with the reward earned so far.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import chess
+
+from prodrl_pipeline.envs.puzzles import Puzzle
+
+MOVE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "move",
+        "description": "Play one move, written exactly as in the list of legal moves.",
+        "parameters": {
+            "type": "object",
+            "properties": {"move": {"type": "string"}},
+            "required": ["move"],
+        },
+    },
+}
+SYSTEM_PROMPT = "Solve the chess puzzle with the move tool."
+
+
+def move_text(board: chess.Board, move: chess.Move) -> str:
+    """SAN with checkmate shown as check ('#' -> '+'): the model must find which check mates."""
+    return board.san(move).replace("#", "+")
+
+
+def legal_move_texts(board: chess.Board) -> list[str]:
+    return sorted(move_text(board, m) for m in board.legal_moves)
+
+
+def render_board(board: chess.Board) -> str:
+    """Side to move, FEN and the legal moves (FEN rather than a drawn board: a third of the
+    tokens, and prompt length is what a CPU round pays for)."""
+    side = "White" if board.turn == chess.WHITE else "Black"
+    return f"{side} to move. FEN: {board.fen()}\nLegal moves: " + " ".join(legal_move_texts(board))
+
+
+def tool_call_message(move: str, call_id: str = "call_0") -> dict:
+    """An OpenAI-style assistant message holding one `move` tool call."""
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": "move", "arguments": json.dumps({"move": move})}}
+        ],
+    }
+
+
+def parse_move_call(message: dict) -> str | None:
+    """The `move` argument of the message's single tool call, or None if malformed."""
+    calls = message.get("tool_calls") or []
+    if len(calls) != 1 or calls[0].get("function", {}).get("name") != "move":
+        return None
+    try:
+        args = json.loads(calls[0]["function"].get("arguments") or "")
+    except (json.JSONDecodeError, TypeError):
+        return None
+    move = args.get("move") if isinstance(args, dict) else None
+    return move if isinstance(move, str) else None
+
+
+@dataclass
+class ChessEpisode:
+    """The state of one puzzle attempt. `messages` is the conversation the model is shown."""
+
+    puzzle: Puzzle
+    partial_credit: bool = False
+    board: chess.Board = field(init=False)
+    messages: list[dict] = field(init=False)
+    ply: int = 1  # index into puzzle.moves of the move the player must find next
+    done: bool = False
+    reward: float = 0.0
+    found: int = 0
+
+    def __post_init__(self) -> None:
+        self.board = self.puzzle.start_board()
+        self.messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": render_board(self.board)},
+        ]
+
+    def allowed_moves(self) -> list[str]:
+        """The strings the structured-output constraint allows as the `move` argument."""
+        return legal_move_texts(self.board)
+
+    def step(self, assistant_message: dict) -> None:
+        """Apply the model's answer and the opponent's reply; appends to `messages`."""
+        if self.done:
+            raise RuntimeError("step() on a finished episode")
+        self.messages.append(assistant_message)
+        text = parse_move_call(assistant_message)
+        by_text = {move_text(self.board, m): m for m in self.board.legal_moves}
+        move = by_text.get(text) if text is not None else None
+        if move is None:
+            return self._finish("Illegal or malformed move.", solved=False)
+        expected = chess.Move.from_uci(self.puzzle.moves[self.ply])
+        last = self.ply == len(self.puzzle.moves) - 1
+        self.board.push(move)
+        if last and self.board.is_checkmate():
+            self.found += 1
+            return self._finish("Checkmate. Puzzle solved.", solved=True)
+        if move != expected:
+            return self._finish("Wrong move.", solved=False)
+        self.found += 1
+        if last:
+            return self._finish("Puzzle solved.", solved=True)
+        reply = chess.Move.from_uci(self.puzzle.moves[self.ply + 1])
+        reply_text = self.board.san(reply)
+        self.board.push(reply)
+        self.ply += 2
+        self._tool(f"Correct. Opponent played {reply_text}.\n{render_board(self.board)}")
+
+    def _tool(self, content: str) -> None:
+        self.messages.append({"role": "tool", "tool_call_id": "call_0", "content": content})
+
+    def _finish(self, content: str, solved: bool) -> None:
+        self._tool(content)
+        self.done = True
+        if solved:
+            self.reward = 1.0
+        elif self.partial_credit:
+            self.reward = self.found / self.puzzle.n_player_moves

@@ -1,0 +1,35 @@
+"""Held-out evaluation: greedy play of the held-out puzzles against one deployment."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.engine.sampler import TorchEngine
+from prodrl_pipeline.envs.puzzles import Puzzle
+from prodrl_pipeline.envs.rollout import play
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+def evaluate(
+    engine: TorchEngine, tokenizer: PreTrainedTokenizerBase, puzzles: Sequence[Puzzle], *,
+    deployment_id: str, round_: int, seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
+    """One `eval_results` row per puzzle (greedy decoding: deterministic for fixed weights)."""
+    rollouts = play(engine, tokenizer, puzzles, GREEDY, deployment_id=deployment_id, round_=round_,
+                    seed=seed, progress=progress)
+    themes = {p.puzzle_id: p.themes for p in puzzles}
+    return [
+        {"round": round_, "deployment_id": deployment_id, "puzzle_id": t["task_id"],
+         "themes": themes[t["task_id"]], "reward": t["reward"], "solved": t["reward"] >= 1.0,
+         "n_calls": t["n_calls"]}
+        for t in rollouts.trajectories
+    ]
+
+
+def solve_rate(rows: Sequence[dict]) -> float:
+    return sum(r["solved"] for r in rows) / len(rows) if rows else float("nan")

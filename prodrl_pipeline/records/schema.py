@@ -1,0 +1,150 @@
+"""Arrow schemas of every table (DESIGN.md §3). Token ids int32, log-probs float32: both
+round-trip bit-exactly through Delta. Per-round tables are partitioned by `round` (int64)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+TS = pa.timestamp("us", tz="UTC")
+IDS = pa.list_(pa.int32())
+LOGPROBS = pa.list_(pa.float32())
+
+SAMPLING = pa.struct(
+    [
+        ("temperature", pa.float64()),
+        ("top_p", pa.float64()),
+        ("top_k", pa.int32()),
+        ("max_tokens", pa.int32()),
+        ("seed", pa.int64()),
+    ]
+)
+
+CALLS = pa.schema(
+    [
+        ("call_id", pa.string()),
+        ("trajectory_id", pa.string()),
+        ("call_index", pa.int32()),
+        ("round", pa.int64()),
+        ("deployment_id", pa.string()),
+        ("prompt_token_ids", IDS),
+        ("completion_token_ids", IDS),
+        # log mu(a_t|h_t) of each sampled id under the processed (actually sampled) distribution
+        ("completion_logprobs", LOGPROBS),
+        # the top-K head of mu per position, sorted by log-prob (forced tokens: one entry, 0.0)
+        ("topk_token_ids", pa.list_(IDS)),
+        ("topk_logprobs", pa.list_(LOGPROBS)),
+        # kept support per position: its size (vocab size when unrestricted) and, when it is
+        # larger than the head and smaller than the vocabulary, its ids (else an empty list)
+        ("support_size", IDS),
+        ("support_token_ids", pa.list_(IDS)),
+        ("vocab_size", pa.int32()),
+        ("sampling", SAMPLING),
+        ("finish_reason", pa.string()),
+        ("messages_json", pa.string()),
+        ("created_at", TS),
+    ]
+)
+
+TRAJECTORIES = pa.schema(
+    [
+        ("trajectory_id", pa.string()),
+        ("round", pa.int64()),
+        ("deployment_id", pa.string()),
+        ("task_id", pa.string()),
+        ("reward", pa.float64()),  # null until feedback arrives
+        ("n_calls", pa.int32()),
+        ("n_completion_tokens", pa.int32()),
+        ("started_at", TS),
+        ("finished_at", TS),
+        ("source", pa.string()),  # lab | production
+    ]
+)
+
+ADVANTAGES = pa.schema(
+    [
+        ("trajectory_id", pa.string()),
+        ("round", pa.int64()),
+        ("minibatch", pa.int64()),
+        ("reward", pa.float64()),
+        ("baseline", pa.float64()),
+        ("advantage", pa.float64()),
+    ]
+)
+
+TRAIN_STEPS = pa.schema(
+    [
+        ("round", pa.int64()),
+        ("step", pa.int64()),  # global optimizer step of the run
+        ("experiment", pa.string()),
+        ("estimator", pa.string()),
+        ("n_trajectories", pa.int64()),
+        ("n_tokens", pa.int64()),
+        ("reward_mean", pa.float64()),
+        ("loss", pa.float64()),
+        ("grad_norm", pa.float64()),
+        ("entropy", pa.float64()),
+        ("engine_mismatch", pa.float64()),  # mean |log pi_k - log mu| over sampled tokens
+        ("staleness", pa.float64()),  # mean |log pi - log pi_k|
+        ("total_mismatch", pa.float64()),  # mean |log pi - log mu|
+        ("seconds", pa.float64()),
+    ]
+)
+
+CHECKPOINTS = pa.schema(
+    [
+        ("checkpoint_id", pa.string()),
+        ("round", pa.int64()),
+        ("experiment", pa.string()),
+        ("parent_id", pa.string()),
+        ("path", pa.string()),
+        ("step", pa.int64()),
+        ("created_at", TS),
+    ]
+)
+
+DEPLOYMENTS = pa.schema(
+    [
+        ("deployment_id", pa.string()),
+        ("round", pa.int64()),
+        ("checkpoint_id", pa.string()),
+        ("path", pa.string()),
+        ("quant_format", pa.string()),
+        ("sampling_json", pa.string()),
+        ("live", pa.bool_()),
+        ("created_at", TS),
+    ]
+)
+
+EVAL_RESULTS = pa.schema(
+    [
+        ("round", pa.int64()),
+        ("deployment_id", pa.string()),
+        ("puzzle_id", pa.string()),
+        ("themes", pa.string()),
+        ("reward", pa.float64()),
+        ("solved", pa.bool_()),
+        ("n_calls", pa.int32()),
+    ]
+)
+
+REJECTS = pa.schema(
+    [
+        ("table", pa.string()),
+        ("round", pa.int64()),
+        ("record_id", pa.string()),
+        ("reason", pa.string()),
+        ("record_json", pa.string()),
+        ("rejected_at", TS),
+    ]
+)
+
+TABLES: dict[str, pa.Schema] = {
+    "calls": CALLS,
+    "trajectories": TRAJECTORIES,
+    "advantages": ADVANTAGES,
+    "train_steps": TRAIN_STEPS,
+    "checkpoints": CHECKPOINTS,
+    "deployments": DEPLOYMENTS,
+    "eval_results": EVAL_RESULTS,
+    "rejects": REJECTS,
+}

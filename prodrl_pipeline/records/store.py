@@ -1,0 +1,100 @@
+"""Delta Lake storage of every table under one root (a local folder or an object-store URI).
+
+Per-round tables are written with a predicate overwrite (`round = k`), so re-materializing a
+round replaces its rows and never duplicates them. Queries run on DataFusion (deltalake's
+QueryBuilder): the one SQL engine of the project.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, write_deltalake
+
+from prodrl_pipeline.records.schema import TABLES
+
+SAFE_ID = re.compile(r"[A-Za-z0-9_.:-]+")  # ids that may appear inside a SQL predicate
+PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "eval_results"}
+
+
+class DeltaStore:
+    """The project's tables under `root`; `commit_metadata` is attached to every commit
+    (e.g. the Dagster run id), visible in each table's `history()`."""
+
+    def __init__(self, root: str | Path, commit_metadata: Mapping[str, str] | None = None):
+        self.root = str(root).rstrip("/")
+        self.commit_metadata = dict(commit_metadata or {})
+
+    def uri(self, table: str) -> str:
+        if table not in TABLES:
+            raise KeyError(f"unknown table {table!r}; known: {sorted(TABLES)}")
+        return f"{self.root}/{table}"
+
+    def exists(self, table: str) -> bool:
+        return DeltaTable.is_deltatable(self.uri(table))
+
+    def table(self, table: str, version: int | None = None) -> DeltaTable:
+        return DeltaTable(self.uri(table), version=version)
+
+    def _commit(self, extra: Mapping[str, str] | None) -> CommitProperties:
+        return CommitProperties(custom_metadata={**self.commit_metadata, **(extra or {})})
+
+    def _conform(self, table: str, rows: pa.Table | Sequence[dict]) -> pa.Table:
+        schema = TABLES[table]
+        if isinstance(rows, pa.Table):
+            return rows.select(schema.names).cast(schema)
+        return pa.Table.from_pylist(list(rows), schema=schema)
+
+    def overwrite(self, table: str, rows: pa.Table | Sequence[dict], predicate: str) -> int:
+        """Replace the rows matching `predicate` (e.g. "round = 3") by `rows`; returns the count."""
+        data = self._conform(table, rows)
+        partition_by = ["round"] if table in PARTITIONED else None
+        if not self.exists(table):
+            write_deltalake(self.uri(table), data, mode="overwrite", partition_by=partition_by,
+                            commit_properties=self._commit({"predicate": predicate}))
+        else:
+            write_deltalake(self.uri(table), data, mode="overwrite", predicate=predicate,
+                            partition_by=partition_by, commit_properties=self._commit({"predicate": predicate}))
+        return data.num_rows
+
+    def overwrite_round(self, table: str, rows: pa.Table | Sequence[dict], round_: int) -> int:
+        return self.overwrite(table, rows, f"round = {int(round_)}")
+
+    def append(self, table: str, rows: pa.Table | Sequence[dict]) -> int:
+        data = self._conform(table, rows)
+        write_deltalake(self.uri(table), data, mode="append",
+                        partition_by=["round"] if table in PARTITIONED else None,
+                        commit_properties=self._commit(None))
+        return data.num_rows
+
+    def read(self, table: str, round_: int | None = None, version: int | None = None) -> pa.Table:
+        """Rows of `table` (optionally one round, at a pinned version); empty if it doesn't exist."""
+        if not self.exists(table):
+            return TABLES[table].empty_table()
+        filters = [("round", "=", int(round_))] if round_ is not None else None
+        return self.table(table, version).to_pyarrow_table(filters=filters).cast(TABLES[table])
+
+    def query(self, sql: str, tables: Sequence[str]) -> pa.Table:
+        """Run DataFusion SQL over the named tables (each registered under its own name)."""
+        qb = QueryBuilder()
+        for name in tables:
+            qb.register(name, self.table(name))
+        return pa.table(qb.execute(sql).read_all())
+
+    def set_live(self, deployment_id: str) -> None:
+        """Move the live pointer: one atomic commit flips `live` on the deployments registry."""
+        if not SAFE_ID.fullmatch(deployment_id):
+            raise ValueError(f"deployment id {deployment_id!r} must match {SAFE_ID.pattern}")
+        if deployment_id not in self.read("deployments").column("deployment_id").to_pylist():
+            raise KeyError(f"deployment {deployment_id!r} is not registered")
+        self.table("deployments").update(updates={"live": f"deployment_id = '{deployment_id}'"},
+                  commit_properties=self._commit({"live": deployment_id}))
+
+    def live_deployment(self) -> dict | None:
+        rows = [r for r in self.read("deployments").to_pylist() if r["live"]]
+        if len(rows) > 1:
+            raise RuntimeError(f"{len(rows)} deployments are marked live; expected one")
+        return rows[0] if rows else None

@@ -1,0 +1,79 @@
+"""The data contract's rules (DESIGN.md §3). A record that breaks one goes to `rejects` with its
+reason, together with every other record of its trajectory: it is never trained on."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from datetime import UTC, datetime
+
+
+def call_problem(call: dict) -> str | None:
+    """The first contract rule `call` breaks, or None."""
+    vocab = call.get("vocab_size") or 0
+    prompt, completion = call.get("prompt_token_ids") or [], call.get("completion_token_ids") or []
+    if not prompt or not completion:
+        return "empty prompt or completion"
+    columns = ("completion_logprobs", "topk_token_ids", "topk_logprobs", "support_size", "support_token_ids")
+    lengths = {name: len(call.get(name) or []) for name in columns}
+    if any(n != len(completion) for n in lengths.values()):
+        return f"per-position columns disagree with {len(completion)} completion ids: {lengths}"
+    if any(not 0 <= t < vocab for t in prompt + completion):
+        return f"token id outside [0, {vocab})"
+    if not call.get("sampling") or not call["sampling"].get("temperature"):
+        return "no sampling temperature > 0: a greedy call has no sampling distribution to train on"
+    for t, tok in enumerate(completion):
+        lp = call["completion_logprobs"][t]
+        head, head_lp = call["topk_token_ids"][t], call["topk_logprobs"][t]
+        size, support = call["support_size"][t], call["support_token_ids"][t]
+        if lp is None or not math.isfinite(lp) or lp > 0:
+            return f"position {t}: log-prob {lp} is not finite and <= 0"
+        if not head or len(head) != len(head_lp):
+            return f"position {t}: empty head or head ids/log-probs of different lengths"
+        if not len(head) <= size <= vocab:
+            return f"position {t}: support size {size} outside [{len(head)}, {vocab}]"
+        if len(head) < size < vocab and len(support) != size:
+            return f"position {t}: restricted support of {size} tokens is not recorded"
+        kept = support if support else (head if size <= len(head) else None)
+        if kept is not None and tok not in kept:
+            return f"position {t}: sampled id {tok} is outside the recorded support"
+    return None
+
+
+def split_valid(calls: list[dict], trajectories: list[dict], table: str = "calls") -> tuple[list[dict], list[dict], list[dict]]:
+    """(valid calls, valid trajectories, reject rows). A trajectory is valid when it has a reward,
+    all its calls are valid and their count matches `n_calls`."""
+    by_traj: dict[str, list[dict]] = defaultdict(list)
+    for c in calls:
+        by_traj[c["trajectory_id"]].append(c)
+    now = datetime.now(UTC)
+    good_calls, good_trajs, rejects = [], [], []
+
+    def reject(kind: str, record_id: str, reason: str, record: dict, round_: int) -> None:
+        rejects.append({"table": kind, "round": round_, "record_id": record_id, "reason": reason,
+                        "record_json": json.dumps(record, default=str), "rejected_at": now})
+
+    known = {t["trajectory_id"] for t in trajectories}
+    for tid, cs in by_traj.items():
+        if tid not in known:
+            for c in cs:
+                reject(table, c["call_id"], "call of an unknown trajectory", c, c["round"])
+    for t in trajectories:
+        cs = by_traj.get(t["trajectory_id"], [])
+        problems = {c["call_id"]: p for c in cs if (p := call_problem(c))}
+        reason = None
+        if t.get("reward") is None or not math.isfinite(t["reward"]):
+            reason = "no finite reward"
+        elif len(cs) != t["n_calls"]:
+            reason = f"n_calls {t['n_calls']} but {len(cs)} calls recorded"
+        elif problems:
+            reason = "invalid call: " + next(iter(problems.values()))
+        if reason is None:
+            good_trajs.append(t)
+            good_calls.extend(cs)
+            continue
+        reject("trajectories", t["trajectory_id"], reason, t, t["round"])
+        for c in cs:
+            reject(table, c["call_id"], problems.get(c["call_id"], "its trajectory was rejected"), c, c["round"])
+    return good_calls, good_trajs, rejects
