@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
-from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+with warnings.catch_warnings():  # modelopt warns on every transformers it was not released with
+    warnings.filterwarnings("ignore", message="transformers .* is not tested with current version of modelopt")
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -105,3 +109,14 @@ def load_deployment(path: str | Path) -> PreTrainedModel:
         raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     return model.eval()
+
+
+def weight_error(model: PreTrainedModel, path: str | Path) -> float:
+    """Mean relative error sum|W_hat - W| / sum|W| over the exported linear weights (0 for `none`)."""
+    served = load_deployment(path).state_dict()
+    num = den = 0.0
+    for name, w in model.state_dict().items():
+        if QUANTIZED.match(name):
+            num += float((served[name] - w).abs().sum())
+            den += float(w.abs().sum())
+    return num / den if den else 0.0

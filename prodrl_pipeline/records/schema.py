@@ -129,7 +129,7 @@ EVAL_RESULTS = pa.schema(
 
 REJECTS = pa.schema(
     [
-        ("table", pa.string()),
+        ("table_name", pa.string()),
         ("round", pa.int64()),
         ("record_id", pa.string()),
         ("reason", pa.string()),

@@ -51,7 +51,7 @@ def split_valid(calls: list[dict], trajectories: list[dict], table: str = "calls
     good_calls, good_trajs, rejects = [], [], []
 
     def reject(kind: str, record_id: str, reason: str, record: dict, round_: int) -> None:
-        rejects.append({"table": kind, "round": round_, "record_id": record_id, "reason": reason,
+        rejects.append({"table_name": kind, "round": round_, "record_id": record_id, "reason": reason,
                         "record_json": json.dumps(record, default=str), "rejected_at": now})
 
     known = {t["trajectory_id"] for t in trajectories}

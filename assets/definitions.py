@@ -1,0 +1,21 @@
+"""The code location: gathers assets, jobs and resources (loaded by workspace.yaml)."""
+
+from __future__ import annotations
+
+from dagster import Definitions
+
+from assets.advantages import advantages
+from assets.base_model import base_model
+from assets.checkpoint import checkpoint
+from assets.deployment import deployment
+from assets.eval_report import eval_report
+from assets.jobs import base_job, round_job
+from assets.trajectories import trajectories
+from resources.lab import LabResource
+from resources.store import StoreResource
+
+defs = Definitions(
+    assets=[base_model, trajectories, advantages, checkpoint, deployment, eval_report],
+    jobs=[base_job, round_job],
+    resources={"store": StoreResource(), "lab": LabResource()},
+)

@@ -1,0 +1,47 @@
+"""Held-out evaluation of the round's deployment, and the run's curves so far."""
+
+
+from collections import defaultdict
+
+from dagster import AssetExecutionContext, MaterializeResult, asset
+
+from assets import metadata
+from assets.deployment import deployment
+from assets.partitions import round_number, rounds
+from prodrl_pipeline.evals.heldout import evaluate, solve_rate
+from prodrl_pipeline.records.queries import round_summary
+from prodrl_pipeline.records.registry import lookup, round_id
+from resources.lab import LabResource
+from resources.store import StoreResource
+
+SUMMARY_COLUMNS = ["round", "train_reward", "heldout_solve_rate", "engine_mismatch", "staleness", "last_step"]
+
+
+@asset(partitions_def=rounds, deps=[deployment], group_name="round", kinds={"delta"})
+def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
+    """Greedy held-out solve rate of the round's deployment, stored per puzzle."""
+    k = round_number(context.partition_key)
+    tables = store.tables(context.run_id, context.partition_key)
+    dep = lookup(tables, "deployments", "deployment_id", round_id(lab.experiment, k))
+    heldout = list(lab.puzzles("heldout"))[: lab.eval_puzzles or None]
+    results = evaluate(lab.engine(dep["path"]), lab.tokenizer(), heldout, deployment_id=dep["deployment_id"],
+                       round_=k, seed=lab.seed)
+    tables.overwrite("eval_results", results, f"round = {k} AND deployment_id = '{dep['deployment_id']}'")
+    by_theme = defaultdict(list)
+    for r in results:
+        by_theme[next((t for t in r["themes"].split() if t.startswith("mateIn")), "other")].append(r)
+    summary = round_summary(tables, lab.experiment)
+    rate = solve_rate(results)
+    context.log.info(f"round {k}: held-out solve rate {rate:.3f} over {len(results)} puzzles")
+    return MaterializeResult(metadata={
+        "heldout_solve_rate": rate,
+        "heldout_puzzles": len(results),
+        **{f"solve_rate_{theme}": solve_rate(rows) for theme, rows in sorted(by_theme.items())},
+        "deployment_id": dep["deployment_id"],
+        "rounds": metadata.table(summary, SUMMARY_COLUMNS),
+        "reward_curve": metadata.plot(
+            [s["round"] for s in summary],
+            {"held-out solve rate": [s["heldout_solve_rate"] for s in summary],
+             "train reward": [s["train_reward"] if s["train_reward"] is not None else float("nan") for s in summary]},
+            "round", "reward per round"),
+    })

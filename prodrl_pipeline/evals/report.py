@@ -1,0 +1,36 @@
+"""Small report pieces for people: markdown tables and PNG curves (shown in Dagster metadata)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    def fmt(v: object) -> str:
+        return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def curves_png(x: Sequence[float], series: dict[str, Sequence[float]], xlabel: str, title: str) -> bytes:
+    """One line per series against x, as PNG bytes."""
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for name, ys in series.items():
+        ax.plot(list(x), list(ys), marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

@@ -1,0 +1,96 @@
+"""The lab's configuration: data, model, deployment engine, sampling and trainer settings."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from dagster import ConfigurableResource
+from transformers import PreTrainedTokenizerBase
+
+from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.engine.sampler import TorchEngine
+from prodrl_pipeline.envs.chat import load_tokenizer
+from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
+from prodrl_pipeline.envs.puzzles import Puzzle
+from prodrl_pipeline.model import TinyQwen3Config
+from prodrl_pipeline.quant.nvfp4 import load_deployment
+from prodrl_pipeline.rl.trainer import TrainerConfig
+
+
+@lru_cache(maxsize=4)
+def _tokenizer(path: str) -> PreTrainedTokenizerBase:
+    return load_tokenizer(path)
+
+
+@lru_cache(maxsize=4)
+def _puzzles(data_dir: str, split: str) -> tuple[Puzzle, ...]:
+    return tuple(iter_lab_puzzles(data_dir, split))
+
+
+class LabResource(ConfigurableResource):
+    """Everything a lab round needs besides storage. Defaults are the embedded CPU lab."""
+
+    experiment: str = "main"
+    """Name of the run; checkpoints and deployments are versioned under it."""
+    data_dir: str = "data"
+    """Shipped puzzles (Lichess CSV) and tokenizer."""
+    base_checkpoint: str = ""
+    """An HF checkpoint directory to start from instead of building the tiny model (production)."""
+    hidden_size: int = 128
+    num_layers: int = 3
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    model_seed: int = 0
+    quant_format: Literal["nvfp4", "none"] = "nvfp4"
+    """How deployments are exported: NVFP4 weights (served dequantized) or full precision."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 64
+    top_logprobs: int = 20
+    """K: head of mu recorded per position."""
+    constrain_moves: bool = True
+    """Structured outputs: the move argument is limited to the listed legal moves."""
+    partial_credit: bool = False
+    """Reward the fraction of player moves found instead of 0/1."""
+    eval_puzzles: int = 0
+    """Held-out puzzles evaluated per round (0 = all)."""
+    steps: int = 16
+    """S: optimizer steps per round."""
+    batch_size: int = 64
+    """B: trajectories per step; a round collects S*B."""
+    lr: float = 5e-4
+    grad_clip: float = 1.0
+    estimator: Literal["reinforce"] = "reinforce"
+    microbatch_calls: int = 64
+    seed: int = 0
+    """Seed of puzzle sampling, engine sampling and minibatch shuffles."""
+
+    def tiny_model(self) -> TinyQwen3Config:
+        return TinyQwen3Config(
+            hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, intermediate_size=self.intermediate_size, seed=self.model_seed,
+        )
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=self.max_tokens)
+
+    def trainer(self) -> TrainerConfig:
+        return TrainerConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr,
+                             grad_clip=self.grad_clip, estimator=self.estimator,
+                             microbatch_calls=self.microbatch_calls, seed=self.seed)
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return _tokenizer(str(Path(self.base_checkpoint or Path(self.data_dir) / "tokenizer")))
+
+    def puzzles(self, split: Literal["train", "heldout"]) -> tuple[Puzzle, ...]:
+        return _puzzles(self.data_dir, split)
+
+    def engine(self, deployment_path: str | Path) -> TorchEngine:
+        """The embedded engine serving a deployment export."""
+        tok = self.tokenizer()
+        return TorchEngine(load_deployment(deployment_path), tok.eos_token_id, tok.pad_token_id, self.top_logprobs)
