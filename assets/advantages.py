@@ -1,6 +1,5 @@
 """Round k's advantages, by `sql/advantages.sql` over the stored trajectories."""
 
-
 import statistics
 
 from dagster import AssetExecutionContext, MaterializeResult, asset
@@ -16,7 +15,7 @@ from resources.store import StoreResource
 def advantages(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """Batch-mean baseline per minibatch of B trajectories; one row per trained trajectory."""
     k = round_number(context.partition_key)
-    tables = store.tables(context.run_id, context.partition_key)
+    tables = store.tables(context.run.run_id, context.partition_key)
     cfg = lab.trainer()
     version = tables.table("trajectories").version()
     rows = compute_advantages(tables, k, cfg.batch_size, cfg.steps, cfg.seed)
@@ -26,9 +25,15 @@ def advantages(context: AssetExecutionContext, store: StoreResource, lab: LabRes
     adv = rows.column("advantage").to_pylist()
     minibatches = len(set(rows.column("minibatch").to_pylist()))
     if minibatches < cfg.steps:
-        context.log.warning(f"round {k}: only {minibatches} full or partial minibatches for S={cfg.steps} steps")
-    return MaterializeResult(metadata={
-        "trajectories": rows.num_rows, "minibatches": minibatches,
-        "reward_mean": statistics.fmean(rows.column("reward").to_pylist()),
-        "advantage_std": statistics.pstdev(adv), "trajectories_version_read": version,
-    })
+        context.log.warning(
+            f"round {k}: only {minibatches} full or partial minibatches for S={cfg.steps} steps"
+        )
+    return MaterializeResult(
+        metadata={
+            "trajectories": rows.num_rows,
+            "minibatches": minibatches,
+            "reward_mean": statistics.fmean(rows.column("reward").to_pylist()),
+            "advantage_std": statistics.pstdev(adv),
+            "trajectories_version_read": version,
+        }
+    )

@@ -1,6 +1,5 @@
 """theta_0 and its deployment mu_0: the lab builds the tiny model; production points at a checkpoint."""
 
-
 import json
 from dataclasses import asdict
 
@@ -19,32 +18,59 @@ from resources.store import StoreResource
 def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """Build (or load) the base model, export its deployment, make it live if nothing is, and
     evaluate it on the held-out puzzles (round 0 of every curve)."""
-    tables = store.tables(context.run_id)
+    tables = store.tables(context.run.run_id)
     tok = lab.tokenizer()
     source = lab.base_checkpoint or "tiny-qwen3"
-    meta = {"checkpoint_id": BASE, "round": 0, "step": 0, "source": source,
-            "model": asdict(lab.tiny_model()), "vocab_size": len(tok)}
+    meta = {
+        "checkpoint_id": BASE,
+        "round": 0,
+        "step": 0,
+        "source": source,
+        "model": asdict(lab.tiny_model()),
+        "vocab_size": len(tok),
+    }
     path = store.path("checkpoints", BASE)
     cached = (path / META_FILE).exists() and json.loads((path / META_FILE).read_text()) == meta
-    model = load_model(path if cached else lab.base_checkpoint) if (cached or lab.base_checkpoint) else (
-        build_model(lab.tiny_model(), len(tok), tok.pad_token_id))
+    model = (
+        load_model(path if cached else lab.base_checkpoint)
+        if (cached or lab.base_checkpoint)
+        else (build_model(lab.tiny_model(), len(tok), tok.pad_token_id))
+    )
     if not cached:
         save_checkpoint(path, model, None, meta)
-    register_checkpoint(tables, checkpoint_id=BASE, round_=0, experiment="", parent_id=None,
-                        path=str(path), step=0)
+    register_checkpoint(
+        tables, checkpoint_id=BASE, round_=0, experiment="", parent_id=None, path=str(path), step=0
+    )
     deploy_path = store.path("deployments", BASE)
     export_deployment(model, deploy_path, lab.quant_format)
-    register_deployment(tables, deployment_id=BASE, round_=0, checkpoint_id=BASE, path=str(deploy_path),
-                        quant_format=lab.quant_format, sampling_json=json.dumps(asdict(lab.sampling())))
+    register_deployment(
+        tables,
+        deployment_id=BASE,
+        round_=0,
+        checkpoint_id=BASE,
+        path=str(deploy_path),
+        quant_format=lab.quant_format,
+        sampling_json=json.dumps(asdict(lab.sampling())),
+    )
     if tables.live_deployment() is None:
         tables.set_live(BASE)
     heldout = list(lab.puzzles("heldout"))[: lab.eval_puzzles or None]
     results = evaluate(lab.engine(deploy_path), tok, heldout, deployment_id=BASE, round_=0, seed=lab.seed)
     tables.overwrite("eval_results", results, f"round = 0 AND deployment_id = '{BASE}'")
-    context.log.info(f"base model: {n_parameters(model):,} parameters, held-out solve rate {solve_rate(results):.3f}")
-    return MaterializeResult(metadata={
-        "parameters": n_parameters(model), "vocab_size": len(tok), "source": source, "cached": cached,
-        "checkpoint_path": str(path), "deployment_path": str(deploy_path), "quant_format": lab.quant_format,
-        "heldout_solve_rate": solve_rate(results), "heldout_puzzles": len(results),
-        "live_deployment": tables.live_deployment()["deployment_id"],
-    })
+    context.log.info(
+        f"base model: {n_parameters(model):,} parameters, held-out solve rate {solve_rate(results):.3f}"
+    )
+    return MaterializeResult(
+        metadata={
+            "parameters": n_parameters(model),
+            "vocab_size": len(tok),
+            "source": source,
+            "cached": cached,
+            "checkpoint_path": str(path),
+            "deployment_path": str(deploy_path),
+            "quant_format": lab.quant_format,
+            "heldout_solve_rate": solve_rate(results),
+            "heldout_puzzles": len(results),
+            "live_deployment": tables.live_deployment()["deployment_id"],
+        }
+    )

@@ -1,6 +1,5 @@
 """theta_{k+1}: S Adam steps from theta_k, with the optimizer state carried from the parent."""
 
-
 from dataclasses import asdict
 
 from dagster import AssetExecutionContext, MaterializeResult, asset
@@ -14,7 +13,16 @@ from prodrl_pipeline.rl.trainer import make_optimizer, train_round
 from resources.lab import LabResource
 from resources.store import StoreResource
 
-STEP_COLUMNS = ["step", "reward_mean", "loss", "grad_norm", "entropy", "engine_mismatch", "staleness", "seconds"]
+STEP_COLUMNS = [
+    "step",
+    "reward_mean",
+    "loss",
+    "grad_norm",
+    "entropy",
+    "engine_mismatch",
+    "staleness",
+    "seconds",
+]
 
 
 @asset(partitions_def=rounds, deps=[advantages], group_name="round", kinds={"pytorch", "delta"})
@@ -22,7 +30,7 @@ def checkpoint(context: AssetExecutionContext, store: StoreResource, lab: LabRes
     """Train the round. The parent is the checkpoint behind the deployment that served the round's
     trajectories (lineage is data: `deployment_id` on every trajectory row)."""
     k = round_number(context.partition_key)
-    tables = store.tables(context.run_id, context.partition_key)
+    tables = store.tables(context.run.run_id, context.partition_key)
     served_by = set(tables.read("trajectories", k).column("deployment_id").to_pylist())
     if len(served_by) != 1:
         raise RuntimeError(f"round {k}: expected trajectories from one deployment, found {sorted(served_by)}")
@@ -41,31 +49,65 @@ def checkpoint(context: AssetExecutionContext, store: StoreResource, lab: LabRes
             f"|log pi_k - log mu| {row['engine_mismatch']:.4f} |log pi - log pi_k| {row['staleness']:.4f}"
         )
 
-    rows = train_round(model, optimizer, calls, adv, cfg, lab.tokenizer().pad_token_id,
-                       first_step=parent_meta["step"], progress=progress)
+    rows = train_round(
+        model,
+        optimizer,
+        calls,
+        adv,
+        cfg,
+        lab.tokenizer().pad_token_id,
+        first_step=parent_meta["step"],
+        progress=progress,
+    )
     ckpt_id = round_id(lab.experiment, k)
     path = store.path("checkpoints", lab.experiment, context.partition_key)
     meta = {
-        "checkpoint_id": ckpt_id, "round": k, "experiment": lab.experiment, "parent_id": parent["checkpoint_id"],
-        "step": rows[-1]["step"], "trainer": asdict(cfg), "model": parent_meta.get("model"),
-        "source": parent_meta.get("source"), "vocab_size": parent_meta.get("vocab_size"),
+        "checkpoint_id": ckpt_id,
+        "round": k,
+        "experiment": lab.experiment,
+        "parent_id": parent["checkpoint_id"],
+        "step": rows[-1]["step"],
+        "trainer": asdict(cfg),
+        "model": parent_meta.get("model"),
+        "source": parent_meta.get("source"),
+        "vocab_size": parent_meta.get("vocab_size"),
         "read_versions": {t: tables.table(t).version() for t in ("calls", "trajectories", "advantages")},
-        "dagster_run_id": context.run_id,
+        "dagster_run_id": context.run.run_id,
     }
     save_checkpoint(path, model, optimizer.state_dict(), meta)
-    register_checkpoint(tables, checkpoint_id=ckpt_id, round_=k, experiment=lab.experiment,
-                        parent_id=parent["checkpoint_id"], path=str(path), step=meta["step"])
-    tables.overwrite("train_steps", [{**r, "round": k, "experiment": lab.experiment} for r in rows],
-                     f"round = {k} AND experiment = '{lab.experiment}'")
+    register_checkpoint(
+        tables,
+        checkpoint_id=ckpt_id,
+        round_=k,
+        experiment=lab.experiment,
+        parent_id=parent["checkpoint_id"],
+        path=str(path),
+        step=meta["step"],
+    )
+    tables.overwrite(
+        "train_steps",
+        [{**r, "round": k, "experiment": lab.experiment} for r in rows],
+        f"round = {k} AND experiment = '{lab.experiment}'",
+    )
     steps = [r["step"] for r in rows]
-    return MaterializeResult(metadata={
-        "checkpoint_id": ckpt_id, "parent_id": parent["checkpoint_id"], "path": str(path),
-        "global_step": meta["step"], "estimator": cfg.estimator,
-        "engine_mismatch": sum(r["engine_mismatch"] for r in rows) / len(rows),
-        "staleness_last_step": rows[-1]["staleness"],
-        "steps": metadata.table(rows, STEP_COLUMNS),
-        "mismatch_plot": metadata.plot(steps, {
-            "|log pi_k - log mu| (engine)": [r["engine_mismatch"] for r in rows],
-            "|log pi - log pi_k| (staleness)": [r["staleness"] for r in rows],
-        }, "optimizer step", f"round {k}: mismatch per step"),
-    })
+    return MaterializeResult(
+        metadata={
+            "checkpoint_id": ckpt_id,
+            "parent_id": parent["checkpoint_id"],
+            "path": str(path),
+            "global_step": meta["step"],
+            "estimator": cfg.estimator,
+            "engine_mismatch": sum(r["engine_mismatch"] for r in rows) / len(rows),
+            "staleness_last_step": rows[-1]["staleness"],
+            "steps": metadata.table(rows, STEP_COLUMNS),
+            "mismatch_plot": metadata.plot(
+                steps,
+                {
+                    "|log pi_k - log mu| (engine)": [r["engine_mismatch"] for r in rows],
+                    "|log pi - log pi_k| (staleness)": [r["staleness"] for r in rows],
+                },
+                "optimizer step",
+                f"round {k}: mismatch per step",
+            ),
+        }
+    )

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from dagster import DagsterInstance
+from transformers.utils import logging as hf_logging
 
 from assets.definitions import defs
 from assets.eval_report import SUMMARY_COLUMNS
@@ -29,9 +30,11 @@ def main() -> None:
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path(".prodrl/dagster_home").resolve())))
     home.mkdir(parents=True, exist_ok=True)
     instance = DagsterInstance.get()
+    hf_logging.disable_progress_bar()
+    run_config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
     t0 = time.perf_counter()
     print(f"== base model (DAGSTER_HOME={home})", flush=True)
-    if not defs.get_job_def("base_job").execute_in_process(instance=instance).success:
+    if not defs.get_job_def("base_job").execute_in_process(instance=instance, run_config=run_config).success:
         raise SystemExit("base_model failed")
     done = [round_number(k) for k in instance.get_dynamic_partitions("rounds")]
     first = max(done, default=0) + 1
@@ -40,7 +43,11 @@ def main() -> None:
         print(f"== round {k} ({key})", flush=True)
         t = time.perf_counter()
         instance.add_dynamic_partitions("rounds", [key])
-        if not defs.get_job_def("round_job").execute_in_process(partition_key=key, instance=instance).success:
+        if (
+            not defs.get_job_def("round_job")
+            .execute_in_process(partition_key=key, instance=instance, run_config=run_config)
+            .success
+        ):
             raise SystemExit(f"round {k} failed")
         print(f"== round {k} took {time.perf_counter() - t:.1f} s", flush=True)
     store = StoreResource()  # the defaults the definitions use

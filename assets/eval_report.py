@@ -1,6 +1,5 @@
 """Held-out evaluation of the round's deployment, and the run's curves so far."""
 
-
 from collections import defaultdict
 
 from dagster import AssetExecutionContext, MaterializeResult, asset
@@ -21,11 +20,17 @@ SUMMARY_COLUMNS = ["round", "train_reward", "heldout_solve_rate", "engine_mismat
 def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """Greedy held-out solve rate of the round's deployment, stored per puzzle."""
     k = round_number(context.partition_key)
-    tables = store.tables(context.run_id, context.partition_key)
+    tables = store.tables(context.run.run_id, context.partition_key)
     dep = lookup(tables, "deployments", "deployment_id", round_id(lab.experiment, k))
     heldout = list(lab.puzzles("heldout"))[: lab.eval_puzzles or None]
-    results = evaluate(lab.engine(dep["path"]), lab.tokenizer(), heldout, deployment_id=dep["deployment_id"],
-                       round_=k, seed=lab.seed)
+    results = evaluate(
+        lab.engine(dep["path"]),
+        lab.tokenizer(),
+        heldout,
+        deployment_id=dep["deployment_id"],
+        round_=k,
+        seed=lab.seed,
+    )
     tables.overwrite("eval_results", results, f"round = {k} AND deployment_id = '{dep['deployment_id']}'")
     by_theme = defaultdict(list)
     for r in results:
@@ -33,15 +38,23 @@ def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabRe
     summary = round_summary(tables, lab.experiment)
     rate = solve_rate(results)
     context.log.info(f"round {k}: held-out solve rate {rate:.3f} over {len(results)} puzzles")
-    return MaterializeResult(metadata={
-        "heldout_solve_rate": rate,
-        "heldout_puzzles": len(results),
-        **{f"solve_rate_{theme}": solve_rate(rows) for theme, rows in sorted(by_theme.items())},
-        "deployment_id": dep["deployment_id"],
-        "rounds": metadata.table(summary, SUMMARY_COLUMNS),
-        "reward_curve": metadata.plot(
-            [s["round"] for s in summary],
-            {"held-out solve rate": [s["heldout_solve_rate"] for s in summary],
-             "train reward": [s["train_reward"] if s["train_reward"] is not None else float("nan") for s in summary]},
-            "round", "reward per round"),
-    })
+    return MaterializeResult(
+        metadata={
+            "heldout_solve_rate": rate,
+            "heldout_puzzles": len(results),
+            **{f"solve_rate_{theme}": solve_rate(rows) for theme, rows in sorted(by_theme.items())},
+            "deployment_id": dep["deployment_id"],
+            "rounds": metadata.table(summary, SUMMARY_COLUMNS),
+            "reward_curve": metadata.plot(
+                [s["round"] for s in summary],
+                {
+                    "held-out solve rate": [s["heldout_solve_rate"] for s in summary],
+                    "train reward": [
+                        s["train_reward"] if s["train_reward"] is not None else float("nan") for s in summary
+                    ],
+                },
+                "round",
+                "reward per round",
+            ),
+        }
+    )

@@ -1,6 +1,5 @@
 """Round k's traffic: S*B scored trajectories from the live deployment (lab source)."""
 
-
 import random
 from collections import Counter
 
@@ -26,7 +25,7 @@ def trajectories(
     """Collect the round's trajectories from the live deployment, validate them against the data
     contract (violations go to `rejects`) and store calls and trajectories for the round."""
     k = round_number(context.partition_key)
-    tables = store.tables(context.run_id, context.partition_key)
+    tables = store.tables(context.run.run_id, context.partition_key)
     stored = tables.read("trajectories", k)
     if stored.num_rows and not config.recollect:
         context.log.info(f"round {k}: {stored.num_rows} stored trajectories are kept (recollect=False)")
@@ -41,15 +40,24 @@ def trajectories(
     puzzles = rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
     context.log.info(f"round {k}: collecting {n} trajectories from deployment {live['deployment_id']}")
     rollouts = play(
-        lab.engine(live["path"]), lab.tokenizer(), puzzles, lab.sampling(), deployment_id=live["deployment_id"],
-        round_=k, seed=lab.seed * 1_000_003 + k, constrain=lab.constrain_moves, partial_credit=lab.partial_credit,
+        lab.engine(live["path"]),
+        lab.tokenizer(),
+        puzzles,
+        lab.sampling(),
+        deployment_id=live["deployment_id"],
+        round_=k,
+        seed=lab.seed * 1_000_003 + k,
+        constrain=lab.constrain_moves,
+        partial_credit=lab.partial_credit,
         progress=lambda done, total: context.log.info(f"round {k}: {done}/{total} trajectories"),
     )
     calls, trajs, rejects = split_valid(rollouts.calls, rollouts.trajectories)
     tables.overwrite_round("calls", calls, k)
     tables.overwrite_round("trajectories", trajs, k)
     tables.overwrite("rejects", rejects, f"round = {k} AND table_name IN ('calls', 'trajectories')")
-    return MaterializeResult(metadata=_summary(trajs, tables, reused=False, n_calls=len(calls), n_rejects=len(rejects)))
+    return MaterializeResult(
+        metadata=_summary(trajs, tables, reused=False, n_calls=len(calls), n_rejects=len(rejects))
+    )
 
 
 def _summary(trajs: list[dict], tables, reused: bool, **extra: int) -> dict:

@@ -71,18 +71,29 @@ class LabResource(ConfigurableResource):
 
     def tiny_model(self) -> TinyQwen3Config:
         return TinyQwen3Config(
-            hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, intermediate_size=self.intermediate_size, seed=self.model_seed,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            seed=self.model_seed,
         )
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=self.max_tokens)
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens
+        )
 
     def trainer(self) -> TrainerConfig:
-        return TrainerConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr,
-                             grad_clip=self.grad_clip, estimator=self.estimator,
-                             microbatch_calls=self.microbatch_calls, seed=self.seed)
+        return TrainerConfig(
+            steps=self.steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            grad_clip=self.grad_clip,
+            estimator=self.estimator,
+            microbatch_calls=self.microbatch_calls,
+            seed=self.seed,
+        )
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return _tokenizer(str(Path(self.base_checkpoint or Path(self.data_dir) / "tokenizer")))
@@ -93,4 +104,6 @@ class LabResource(ConfigurableResource):
     def engine(self, deployment_path: str | Path) -> TorchEngine:
         """The embedded engine serving a deployment export."""
         tok = self.tokenizer()
-        return TorchEngine(load_deployment(deployment_path), tok.eos_token_id, tok.pad_token_id, self.top_logprobs)
+        return TorchEngine(
+            load_deployment(deployment_path), tok.eos_token_id, tok.pad_token_id, self.top_logprobs
+        )

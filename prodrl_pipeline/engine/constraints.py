@@ -56,7 +56,7 @@ class ChoiceConstraint:
         """The tokens forced from `state` on (single-child chain): fed without sampling."""
         chain = []
         while len(state) == 1:
-            (tok, state), = state.items()
+            ((tok, state),) = state.items()
             chain.append(tok)
         return chain
 

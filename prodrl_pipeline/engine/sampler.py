@@ -62,19 +62,23 @@ class TorchEngine:
         top_p = torch.tensor([r.params.top_p for r in requests])
         b = _Batch(requests, self.vocab_size, self.eos_id, self.pad_id, self.top_logprobs)
         forced = b.force_common()
-        prompts = [r.prompt_ids + f for r, f in zip(requests, forced)]
+        prompts = [r.prompt_ids + f for r, f in zip(requests, forced, strict=True)]
         width = max(len(p) for p in prompts)
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         while not all(b.done):
             result = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                use_cache=True, logits_to_keep=1,
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
             )
             cache = result.cache
             logp = processed_logprobs(  # [N, V]
@@ -86,7 +90,9 @@ class TorchEngine:
             forced = b.force_common()
             new = [[int(sampled[i]), *forced[i]] for i in range(n)]
             width = len(new[0])
-            ids = torch.tensor([row if not d else [self.pad_id] * width for row, d in zip(new, was_done)])
+            ids = torch.tensor(
+                [row if not d else [self.pad_id] * width for row, d in zip(new, was_done, strict=True)]
+            )
             live = torch.tensor([[0 if d else 1] * width for d in was_done])
             mask = torch.cat([mask, live], dim=1)
             positions = positions[:, -1:] + torch.arange(1, width + 1)[None, :]
@@ -117,15 +123,22 @@ class _Batch:
         k = min(self.top_logprobs, self.vocab_size)
         head_lp, head_ids = logp.topk(k, dim=-1)  # [N, K]
         kept = torch.isfinite(logp).sum(-1)  # [N]
-        for i, c in enumerate(self.out):
+        for i in range(len(self.out)):
             if self.done[i]:
                 continue
             tok, size = int(sampled[i]), int(kept[i])
             n_head = min(k, size)
             stored = n_head < size < self.vocab_size
             support = torch.isfinite(logp[i]).nonzero().squeeze(1).tolist() if stored else []
-            self.append(i, tok, float(logp[i, tok]), head_ids[i, :n_head].tolist(),
-                         head_lp[i, :n_head].tolist(), size, support)
+            self.append(
+                i,
+                tok,
+                float(logp[i, tok]),
+                head_ids[i, :n_head].tolist(),
+                head_lp[i, :n_head].tolist(),
+                size,
+                support,
+            )
 
     def force_common(self) -> list[list[int]]:
         """Append to every unfinished row the same number m of forced tokens (m = the shortest
@@ -148,8 +161,16 @@ class _Batch:
             out.append(chain)
         return out
 
-    def append(self, i: int, tok: int, logprob: float, head_ids: list[int], head_lp: list[float],
-                support_size: int, support_ids: list[int]) -> None:
+    def append(
+        self,
+        i: int,
+        tok: int,
+        logprob: float,
+        head_ids: list[int],
+        head_lp: list[float],
+        support_size: int,
+        support_ids: list[int],
+    ) -> None:
         c = self.out[i]
         c.token_ids.append(tok)
         c.logprobs.append(logprob)

@@ -60,9 +60,7 @@ def train_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    tok.add_tokens(
-        [AddedToken(m, single_word=True, normalized=False) for m in sorted(set(move_strings))]
-    )
+    tok.add_tokens([AddedToken(m, single_word=True, normalized=False) for m in sorted(set(move_strings))])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
@@ -82,7 +80,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def render_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None = None) -> list[int]:
+def render_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None = None
+) -> list[int]:
     """Prompt token ids for the next assistant turn: the chat template, then tokenization."""
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
@@ -107,8 +107,9 @@ def parse_assistant_text(text: str) -> dict:
             name, args = obj["name"], json.dumps(obj.get("arguments", {}))
         except (json.JSONDecodeError, KeyError, TypeError):
             name, args = "", body
-        calls.append({"id": f"call_{len(calls)}", "type": "function",
-                      "function": {"name": name, "arguments": args}})
+        calls.append(
+            {"id": f"call_{len(calls)}", "type": "function", "function": {"name": name, "arguments": args}}
+        )
     message: dict = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls

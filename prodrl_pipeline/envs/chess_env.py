@@ -53,8 +53,11 @@ def tool_call_message(move: str, call_id: str = "call_0") -> dict:
         "role": "assistant",
         "content": "",
         "tool_calls": [
-            {"id": call_id, "type": "function",
-             "function": {"name": "move", "arguments": json.dumps({"move": move})}}
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": "move", "arguments": json.dumps({"move": move})},
+            }
         ],
     }
 

@@ -38,7 +38,8 @@ def _corpus(puzzles: list[Puzzle]) -> tuple[list[str], set[str]]:
         texts.extend(f"{m['role']}\n{m.get('content') or ''}" for m in messages)
         texts.extend(
             f'<tool_call>{{"name": "move", "arguments": {tc["function"]["arguments"]}}}</tool_call>'
-            for m in messages for tc in m.get("tool_calls", [])
+            for m in messages
+            for tc in m.get("tool_calls", [])
         )
     return texts, moves
 

@@ -19,8 +19,16 @@ from pathlib import Path
 import chess
 
 LICHESS_COLUMNS = [
-    "PuzzleId", "FEN", "Moves", "Rating", "RatingDeviation", "Popularity", "NbPlays", "Themes",
-    "GameUrl", "OpeningTags",
+    "PuzzleId",
+    "FEN",
+    "Moves",
+    "Rating",
+    "RatingDeviation",
+    "Popularity",
+    "NbPlays",
+    "Themes",
+    "GameUrl",
+    "OpeningTags",
 ]
 
 
@@ -98,8 +106,18 @@ def write_puzzles(puzzles: Iterable[Puzzle], path: str | Path) -> None:
         writer.writerow(LICHESS_COLUMNS)
         for p in puzzles:
             writer.writerow(
-                [p.puzzle_id, p.fen, " ".join(p.moves), p.rating, p.rating_deviation, p.popularity,
-                 p.nb_plays, p.themes, p.game_url, p.opening_tags]
+                [
+                    p.puzzle_id,
+                    p.fen,
+                    " ".join(p.moves),
+                    p.rating,
+                    p.rating_deviation,
+                    p.popularity,
+                    p.nb_plays,
+                    p.themes,
+                    p.game_url,
+                    p.opening_tags,
+                ]
             )
 
 
@@ -209,8 +227,12 @@ def _worker(args: tuple[list[int], int, int, bool]) -> list[Puzzle]:
 
 
 def generate(
-    n_games: int, seed: int = 0, heldout_every: int = 10, max_plies: int = 160,
-    mate_in_two: bool = True, processes: int = 2,
+    n_games: int,
+    seed: int = 0,
+    heldout_every: int = 10,
+    max_plies: int = 160,
+    mate_in_two: bool = True,
+    processes: int = 2,
 ) -> tuple[list[Puzzle], list[Puzzle]]:
     """Generate (train, heldout) puzzles from `n_games` seeded random games. Games with
     index % heldout_every == 0 are held out, and positions are de-duplicated globally, so the two

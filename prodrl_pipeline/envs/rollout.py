@@ -54,9 +54,11 @@ def play(
     (structured outputs); otherwise the model writes free text and malformed calls score 0."""
     calls, trajectories = [], []
     for start in range(0, len(puzzles), batch_size):
-        chunk = puzzles[start:start + batch_size]
+        chunk = puzzles[start : start + batch_size]
         episodes = [ChessEpisode(p, partial_credit=partial_credit) for p in chunk]
-        ids = [_trajectory_id(deployment_id, round_, seed, start + i, p.puzzle_id) for i, p in enumerate(chunk)]
+        ids = [
+            _trajectory_id(deployment_id, round_, seed, start + i, p.puzzle_id) for i, p in enumerate(chunk)
+        ]
         started = datetime.now(UTC)
         n_calls = [0] * len(chunk)
         n_tokens = [0] * len(chunk)
@@ -65,44 +67,58 @@ def play(
             requests = []
             for i in active:
                 e = episodes[i]
-                constraint = tool_choice_constraint(tokenizer, "move", "move", e.allowed_moves()) if constrain else None
+                constraint = (
+                    tool_choice_constraint(tokenizer, "move", "move", e.allowed_moves())
+                    if constrain
+                    else None
+                )
                 requests.append(Request(render_ids(tokenizer, e.messages), params, constraint))
             batch_seed = seed * 1_000_003 + start * 101 + turn
             outs = engine.generate(requests, seed=batch_seed)
             now = datetime.now(UTC)
-            for i, req, out in zip(active, requests, outs):
+            for i, req, out in zip(active, requests, outs, strict=True):
                 text = tokenizer.decode(out.token_ids, skip_special_tokens=False)
                 episodes[i].step(parse_assistant_text(text))
-                calls.append({
-                    "call_id": f"{ids[i]}-{n_calls[i]}",
-                    "trajectory_id": ids[i],
-                    "call_index": n_calls[i],
-                    "round": round_,
-                    "deployment_id": deployment_id,
-                    "prompt_token_ids": req.prompt_ids,
-                    "completion_token_ids": out.token_ids,
-                    "completion_logprobs": out.logprobs,
-                    "topk_token_ids": out.topk_ids,
-                    "topk_logprobs": out.topk_logprobs,
-                    "support_size": out.support_size,
-                    "support_token_ids": out.support_ids,
-                    "vocab_size": engine.vocab_size,
-                    "sampling": {**asdict(params), "seed": batch_seed},
-                    "finish_reason": out.finish_reason,
-                    "messages_json": json.dumps(episodes[i].messages[:-1]),
-                    "created_at": now,
-                })
+                calls.append(
+                    {
+                        "call_id": f"{ids[i]}-{n_calls[i]}",
+                        "trajectory_id": ids[i],
+                        "call_index": n_calls[i],
+                        "round": round_,
+                        "deployment_id": deployment_id,
+                        "prompt_token_ids": req.prompt_ids,
+                        "completion_token_ids": out.token_ids,
+                        "completion_logprobs": out.logprobs,
+                        "topk_token_ids": out.topk_ids,
+                        "topk_logprobs": out.topk_logprobs,
+                        "support_size": out.support_size,
+                        "support_token_ids": out.support_ids,
+                        "vocab_size": engine.vocab_size,
+                        "sampling": {**asdict(params), "seed": batch_seed},
+                        "finish_reason": out.finish_reason,
+                        "messages_json": json.dumps(episodes[i].messages[:-1]),
+                        "created_at": now,
+                    }
+                )
                 n_calls[i] += 1
                 n_tokens[i] += len(out.token_ids)
             turn += 1
         finished = datetime.now(UTC)
         for i, e in enumerate(episodes):
-            trajectories.append({
-                "trajectory_id": ids[i], "round": round_, "deployment_id": deployment_id,
-                "task_id": e.puzzle.puzzle_id, "reward": e.reward, "n_calls": n_calls[i],
-                "n_completion_tokens": n_tokens[i], "started_at": started, "finished_at": finished,
-                "source": "lab",
-            })
+            trajectories.append(
+                {
+                    "trajectory_id": ids[i],
+                    "round": round_,
+                    "deployment_id": deployment_id,
+                    "task_id": e.puzzle.puzzle_id,
+                    "reward": e.reward,
+                    "n_calls": n_calls[i],
+                    "n_completion_tokens": n_tokens[i],
+                    "started_at": started,
+                    "finished_at": finished,
+                    "source": "lab",
+                }
+            )
         if progress:
             progress(min(start + batch_size, len(puzzles)), len(puzzles))
     return Rollouts(calls, trajectories)

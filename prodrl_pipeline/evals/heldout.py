@@ -15,18 +15,37 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
 def evaluate(
-    engine: TorchEngine, tokenizer: PreTrainedTokenizerBase, puzzles: Sequence[Puzzle], *,
-    deployment_id: str, round_: int, seed: int = 0,
+    engine: TorchEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    puzzles: Sequence[Puzzle],
+    *,
+    deployment_id: str,
+    round_: int,
+    seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[dict]:
     """One `eval_results` row per puzzle (greedy decoding: deterministic for fixed weights)."""
-    rollouts = play(engine, tokenizer, puzzles, GREEDY, deployment_id=deployment_id, round_=round_,
-                    seed=seed, progress=progress)
+    rollouts = play(
+        engine,
+        tokenizer,
+        puzzles,
+        GREEDY,
+        deployment_id=deployment_id,
+        round_=round_,
+        seed=seed,
+        progress=progress,
+    )
     themes = {p.puzzle_id: p.themes for p in puzzles}
     return [
-        {"round": round_, "deployment_id": deployment_id, "puzzle_id": t["task_id"],
-         "themes": themes[t["task_id"]], "reward": t["reward"], "solved": t["reward"] >= 1.0,
-         "n_calls": t["n_calls"]}
+        {
+            "round": round_,
+            "deployment_id": deployment_id,
+            "puzzle_id": t["task_id"],
+            "themes": themes[t["task_id"]],
+            "reward": t["reward"],
+            "solved": t["reward"] >= 1.0,
+            "n_calls": t["n_calls"],
+        }
         for t in rollouts.trajectories
     ]
 

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 with warnings.catch_warnings():  # modelopt warns on every transformers it was not released with
-    warnings.filterwarnings("ignore", message="transformers .* is not tested with current version of modelopt")
+    warnings.filterwarnings(
+        "ignore", message="transformers .* is not tested with current version of modelopt"
+    )
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -69,8 +71,10 @@ def dequantize_state(exported: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             shape = (t.shape[0], t.shape[1] * 2)
             qt = NVFP4QTensor(torch.Size(shape), torch.float32, t)
             out[name] = qt.dequantize(
-                dtype=torch.float32, scale=exported[f"{base}.weight_scale"],
-                double_scale=exported[f"{base}.weight_scale_2"], block_sizes={-1: BLOCK},
+                dtype=torch.float32,
+                scale=exported[f"{base}.weight_scale"],
+                double_scale=exported[f"{base}.weight_scale_2"],
+                block_sizes={-1: BLOCK},
             )
         else:
             out[name] = t
@@ -89,8 +93,11 @@ def export_deployment(model: PreTrainedModel, path: str | Path, quant_format: st
         state = quantize_state(state)
         quant_config = {
             "producer": {"name": "prodrl", "via": "modelopt.NVFP4QTensor"},
-            "quantization": {"quant_algo": "NVFP4", "group_size": BLOCK,
-                             "exclude_modules": ["lm_head", "model.embed_tokens"]},
+            "quantization": {
+                "quant_algo": "NVFP4",
+                "group_size": BLOCK,
+                "exclude_modules": ["lm_head", "model.embed_tokens"],
+            },
         }
         (path / "hf_quant_config.json").write_text(json.dumps(quant_config, indent=2))
     save_file(state, str(path / "model.safetensors"))

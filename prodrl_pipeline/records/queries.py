@@ -27,8 +27,15 @@ def compute_advantages(store: DeltaStore, round_: int, batch_size: int, steps: i
     for name, value in (("batch_size", batch_size), ("steps", steps)):
         if int(value) < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    return run_sql(store, "advantages", ["trajectories"], round=int(round_), batch_size=int(batch_size),
-                   steps=int(steps), seed=int(seed))
+    return run_sql(
+        store,
+        "advantages",
+        ["trajectories"],
+        round=int(round_),
+        batch_size=int(batch_size),
+        steps=int(steps),
+        seed=int(seed),
+    )
 
 
 def round_summary(store: DeltaStore, experiment: str) -> list[dict]:

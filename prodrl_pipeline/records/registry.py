@@ -17,19 +17,49 @@ def round_id(experiment: str, round_: int) -> str:
     return BASE if round_ == 0 else f"{experiment}-r{round_:06d}"
 
 
-def register_checkpoint(store: DeltaStore, *, checkpoint_id: str, round_: int, experiment: str,
-                        parent_id: str | None, path: str, step: int) -> None:
-    row = {"checkpoint_id": checkpoint_id, "round": round_, "experiment": experiment,
-           "parent_id": parent_id, "path": path, "step": step, "created_at": datetime.now(UTC)}
+def register_checkpoint(
+    store: DeltaStore,
+    *,
+    checkpoint_id: str,
+    round_: int,
+    experiment: str,
+    parent_id: str | None,
+    path: str,
+    step: int,
+) -> None:
+    row = {
+        "checkpoint_id": checkpoint_id,
+        "round": round_,
+        "experiment": experiment,
+        "parent_id": parent_id,
+        "path": path,
+        "step": step,
+        "created_at": datetime.now(UTC),
+    }
     store.overwrite("checkpoints", [row], f"checkpoint_id = '{checkpoint_id}'")
 
 
-def register_deployment(store: DeltaStore, *, deployment_id: str, round_: int, checkpoint_id: str,
-                        path: str, quant_format: str, sampling_json: str) -> None:
+def register_deployment(
+    store: DeltaStore,
+    *,
+    deployment_id: str,
+    round_: int,
+    checkpoint_id: str,
+    path: str,
+    quant_format: str,
+    sampling_json: str,
+) -> None:
     """Add (or replace) a deployment; it is not live until `store.set_live` says so."""
-    row = {"deployment_id": deployment_id, "round": round_, "checkpoint_id": checkpoint_id, "path": path,
-           "quant_format": quant_format, "sampling_json": sampling_json, "live": False,
-           "created_at": datetime.now(UTC)}
+    row = {
+        "deployment_id": deployment_id,
+        "round": round_,
+        "checkpoint_id": checkpoint_id,
+        "path": path,
+        "quant_format": quant_format,
+        "sampling_json": sampling_json,
+        "live": False,
+        "created_at": datetime.now(UTC),
+    }
     store.overwrite("deployments", [row], f"deployment_id = '{deployment_id}'")
 
 

@@ -53,11 +53,22 @@ class DeltaStore:
         data = self._conform(table, rows)
         partition_by = ["round"] if table in PARTITIONED else None
         if not self.exists(table):
-            write_deltalake(self.uri(table), data, mode="overwrite", partition_by=partition_by,
-                            commit_properties=self._commit({"predicate": predicate}))
+            write_deltalake(
+                self.uri(table),
+                data,
+                mode="overwrite",
+                partition_by=partition_by,
+                commit_properties=self._commit({"predicate": predicate}),
+            )
         else:
-            write_deltalake(self.uri(table), data, mode="overwrite", predicate=predicate,
-                            partition_by=partition_by, commit_properties=self._commit({"predicate": predicate}))
+            write_deltalake(
+                self.uri(table),
+                data,
+                mode="overwrite",
+                predicate=predicate,
+                partition_by=partition_by,
+                commit_properties=self._commit({"predicate": predicate}),
+            )
         return data.num_rows
 
     def overwrite_round(self, table: str, rows: pa.Table | Sequence[dict], round_: int) -> int:
@@ -65,9 +76,13 @@ class DeltaStore:
 
     def append(self, table: str, rows: pa.Table | Sequence[dict]) -> int:
         data = self._conform(table, rows)
-        write_deltalake(self.uri(table), data, mode="append",
-                        partition_by=["round"] if table in PARTITIONED else None,
-                        commit_properties=self._commit(None))
+        write_deltalake(
+            self.uri(table),
+            data,
+            mode="append",
+            partition_by=["round"] if table in PARTITIONED else None,
+            commit_properties=self._commit(None),
+        )
         return data.num_rows
 
     def read(self, table: str, round_: int | None = None, version: int | None = None) -> pa.Table:
@@ -90,8 +105,10 @@ class DeltaStore:
             raise ValueError(f"deployment id {deployment_id!r} must match {SAFE_ID.pattern}")
         if deployment_id not in self.read("deployments").column("deployment_id").to_pylist():
             raise KeyError(f"deployment {deployment_id!r} is not registered")
-        self.table("deployments").update(updates={"live": f"deployment_id = '{deployment_id}'"},
-                  commit_properties=self._commit({"live": deployment_id}))
+        self.table("deployments").update(
+            updates={"live": f"deployment_id = '{deployment_id}'"},
+            commit_properties=self._commit({"live": deployment_id}),
+        )
 
     def live_deployment(self) -> dict | None:
         rows = [r for r in self.read("deployments").to_pylist() if r["live"]]

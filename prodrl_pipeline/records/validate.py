@@ -41,7 +41,9 @@ def call_problem(call: dict) -> str | None:
     return None
 
 
-def split_valid(calls: list[dict], trajectories: list[dict], table: str = "calls") -> tuple[list[dict], list[dict], list[dict]]:
+def split_valid(
+    calls: list[dict], trajectories: list[dict], table: str = "calls"
+) -> tuple[list[dict], list[dict], list[dict]]:
     """(valid calls, valid trajectories, reject rows). A trajectory is valid when it has a reward,
     all its calls are valid and their count matches `n_calls`."""
     by_traj: dict[str, list[dict]] = defaultdict(list)
@@ -51,8 +53,16 @@ def split_valid(calls: list[dict], trajectories: list[dict], table: str = "calls
     good_calls, good_trajs, rejects = [], [], []
 
     def reject(kind: str, record_id: str, reason: str, record: dict, round_: int) -> None:
-        rejects.append({"table_name": kind, "round": round_, "record_id": record_id, "reason": reason,
-                        "record_json": json.dumps(record, default=str), "rejected_at": now})
+        rejects.append(
+            {
+                "table_name": kind,
+                "round": round_,
+                "record_id": record_id,
+                "reason": reason,
+                "record_json": json.dumps(record, default=str),
+                "rejected_at": now,
+            }
+        )
 
     known = {t["trajectory_id"] for t in trajectories}
     for tid, cs in by_traj.items():
@@ -75,5 +85,7 @@ def split_valid(calls: list[dict], trajectories: list[dict], table: str = "calls
             continue
         reject("trajectories", t["trajectory_id"], reason, t, t["round"])
         for c in cs:
-            reject(table, c["call_id"], problems.get(c["call_id"], "its trajectory was rejected"), c, c["round"])
+            reject(
+                table, c["call_id"], problems.get(c["call_id"], "its trajectory was rejected"), c, c["round"]
+            )
     return good_calls, good_trajs, rejects

@@ -19,7 +19,9 @@ from prodrl_pipeline.model import load_model
 OPTIMIZER_FILE, META_FILE = "optimizer.pt", "prodrl.json"
 
 
-def save_checkpoint(path: str | Path, model: PreTrainedModel, optimizer_state: dict | None, meta: dict) -> None:
+def save_checkpoint(
+    path: str | Path, model: PreTrainedModel, optimizer_state: dict | None, meta: dict
+) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"

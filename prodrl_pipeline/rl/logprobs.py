@@ -45,8 +45,15 @@ def build_sequences(calls: list[dict], pad_id: int) -> Sequences:
             toks.append(tok)
             temps.append(c["sampling"]["temperature"])
             support.append(token_support(c, t))
-    return Sequences(ids, mask, torch.tensor(rows), torch.tensor(pos), torch.tensor(toks),
-                     torch.tensor(temps, dtype=torch.float32), support)
+    return Sequences(
+        ids,
+        mask,
+        torch.tensor(rows),
+        torch.tensor(pos),
+        torch.tensor(toks),
+        torch.tensor(temps, dtype=torch.float32),
+        support,
+    )
 
 
 def token_support(call: dict, t: int) -> list[int] | None:

@@ -56,7 +56,9 @@ class TrainerConfig:
         if self.lr <= 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
         if self.estimator not in ESTIMATORS:
-            raise ValueError(f"trainer.estimator {self.estimator!r} unknown; choose one of {sorted(ESTIMATORS)}")
+            raise ValueError(
+                f"trainer.estimator {self.estimator!r} unknown; choose one of {sorted(ESTIMATORS)}"
+            )
 
 
 def make_optimizer(model: PreTrainedModel, cfg: TrainerConfig, state: dict | None) -> torch.optim.Adam:
@@ -70,16 +72,18 @@ def make_optimizer(model: PreTrainedModel, cfg: TrainerConfig, state: dict | Non
 
 def _microbatches(calls: list[dict], size: int) -> list[list[dict]]:
     ordered = sorted(calls, key=lambda c: len(c["prompt_token_ids"]) + len(c["completion_token_ids"]))
-    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
 @torch.no_grad()
-def round_start_logprobs(model: PreTrainedModel, calls: list[dict], cfg: TrainerConfig, pad_id: int) -> dict[str, torch.Tensor]:
+def round_start_logprobs(
+    model: PreTrainedModel, calls: list[dict], cfg: TrainerConfig, pad_id: int
+) -> dict[str, torch.Tensor]:
     """log pi_k of every completion token of the round, per call_id ([T] each)."""
     out = {}
     for mb in _microbatches(calls, cfg.microbatch_calls):
         lp, _ = token_logprobs(model, build_sequences(mb, pad_id), cfg.logprob_chunk_tokens)
-        for c, part in zip(mb, lp.split([len(c["completion_token_ids"]) for c in mb])):
+        for c, part in zip(mb, lp.split([len(c["completion_token_ids"]) for c in mb]), strict=True):
             out[c["call_id"]] = part
     return out
 
@@ -110,7 +114,9 @@ def train_round(
         minibatches[a["minibatch"]].append(a)
 
     model.eval()  # Qwen3 has no dropout; eval keeps pi_k and pi numerically identical at step 0
-    pi_k = round_start_logprobs(model, [c for a in advantages for c in by_traj[a["trajectory_id"]]], cfg, pad_id)
+    pi_k = round_start_logprobs(
+        model, [c for a in advantages for c in by_traj[a["trajectory_id"]]], cfg, pad_id
+    )
     rows = []
     for step, mb in enumerate(minibatches[k] for k in sorted(minibatches)):
         t0 = time.perf_counter()

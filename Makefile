@@ -1,0 +1,43 @@
+# prodrl: the two set-up commands are `make demo` and `make test` (each creates .venv first).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export DAGSTER_HOME ?= $(CURDIR)/.prodrl/dagster_home
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: install demo test test-slow ui lint format clean data
+
+$(BIN)/.installed: pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch==2.13.0 is the CPU wheel these machines serve; constraints.txt keeps pip on it.
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install  ## build the base model and run 3 rounds through Dagster (DAGSTER_HOME=.prodrl/dagster_home)
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/python -m assets.demo --rounds 3
+
+test: install  ## the test suite (slow experiments excluded)
+	$(BIN)/pytest -q -m "not slow"
+
+test-slow: install
+	$(BIN)/pytest -q -m slow
+
+ui: install  ## Dagster UI + daemon on http://127.0.0.1:3000 over the demo's instance
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
+
+data: install  ## regenerate the shipped puzzles and tokenizer (deterministic, ~2 minutes)
+	$(BIN)/python -m prodrl_pipeline.envs.lab_data data
+
+clean:
+	rm -rf .prodrl

@@ -1,0 +1,64 @@
+import math
+
+import pytest
+import torch
+
+from prodrl_pipeline.engine.processing import SamplingParams, processed_logprobs
+
+
+def brute_force(logits: list[float], temperature: float, top_k: int, top_p: float, allowed: set[int] | None):
+    """vLLM's order, one token at a time: mask -> temperature -> top-k -> top-p -> renormalize."""
+    v = len(logits)
+    ids = [i for i in range(v) if allowed is None or i in allowed]
+    if temperature == 0:
+        best = max(ids, key=lambda i: logits[i])
+        return {best: 0.0}
+    z = {i: logits[i] / temperature for i in ids}
+    order = sorted(ids, key=lambda i: -z[i])
+    if 0 < top_k < v:
+        order = order[:top_k]
+    norm = math.log(sum(math.exp(z[i]) for i in order))
+    kept, mass = [], 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += math.exp(z[i] - norm)
+    norm = math.log(sum(math.exp(z[i]) for i in kept))
+    return {i: z[i] - norm for i in kept}
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,mask",
+    [
+        (1.0, 0, 1.0, False),
+        (0.7, 5, 1.0, False),
+        (1.3, 0, 0.8, False),
+        (0.9, 6, 0.7, True),
+        (1.0, 0, 1.0, True),
+        (0.0, 0, 1.0, True),
+        (2.0, 3, 0.5, False),
+    ],
+)
+def test_matches_brute_force_on_tiny_vocab(temperature, top_k, top_p, mask):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 16, generator=g) * 2
+    allowed = torch.rand(4, 16, generator=g) < 0.6 if mask else None
+    if allowed is not None:
+        allowed[:, 0] = True
+    out = processed_logprobs(
+        logits, torch.full((4,), temperature), torch.full((4,), top_k), torch.full((4,), top_p), allowed
+    )
+    for row in range(4):
+        keep = set(allowed[row].nonzero().squeeze(1).tolist()) if allowed is not None else None
+        expected = brute_force(logits[row].tolist(), temperature, top_k, top_p, keep)
+        got = {i: float(out[row, i]) for i in range(16) if math.isfinite(out[row, i])}
+        assert got.keys() == expected.keys()
+        for i in got:
+            assert got[i] == pytest.approx(expected[i], abs=1e-5)
+
+
+def test_bad_sampling_params_are_refused():
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}, {"max_tokens": 0}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)

@@ -1,0 +1,92 @@
+import math
+
+import pytest
+import torch
+
+from prodrl_pipeline.engine.constraints import tool_choice_constraint
+from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.engine.sampler import Request, TorchEngine
+from prodrl_pipeline.envs.chat import render_ids
+from prodrl_pipeline.envs.chess_env import ChessEpisode
+
+
+def _reference_distribution(model, ids: list[int], params: SamplingParams, allowed: list[int] | None):
+    """mu(.|h) recomputed independently: a full forward pass (no KV cache), then the processing
+    written out step by step in float64."""
+    with torch.no_grad():
+        z = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+    if allowed is not None:
+        keep = torch.zeros_like(z, dtype=torch.bool)
+        keep[allowed] = True
+        z = z.masked_fill(~keep, -math.inf)
+    z = z / params.temperature
+    order = z.argsort(descending=True)
+    n = len(z) if params.top_k == 0 else params.top_k
+    kept = order[:n][torch.isfinite(z[order[:n]])]
+    p = torch.softmax(z[kept], 0)
+    cum_before = torch.cumsum(p, 0) - p
+    kept = kept[cum_before < params.top_p]
+    logp = torch.full_like(z, -math.inf)
+    logp[kept] = torch.log_softmax(z[kept], 0)
+    return logp
+
+
+@pytest.mark.parametrize(
+    "params,constrained",
+    [
+        (SamplingParams(temperature=1.0, max_tokens=6), False),
+        (SamplingParams(temperature=0.8, top_k=30, max_tokens=6), False),
+        (SamplingParams(temperature=1.2, top_p=0.6, max_tokens=6), False),
+        (SamplingParams(temperature=1.0, max_tokens=64), True),
+    ],
+)
+def test_recorded_logprobs_are_the_processed_distribution(
+    tiny_model, tokenizer, heldout, params, constrained
+):
+    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id, top_logprobs=20)
+    episodes = [ChessEpisode(p) for p in heldout[:3]]
+    requests = [
+        Request(
+            render_ids(tokenizer, e.messages),
+            params,
+            tool_choice_constraint(tokenizer, "move", "move", e.allowed_moves()) if constrained else None,
+        )
+        for e in episodes
+    ]
+    outs = engine.generate(requests, seed=0)
+    checked_free = 0
+    for req, out in zip(requests, outs, strict=True):
+        state = req.constraint.root if req.constraint else None
+        for t, tok in enumerate(out.token_ids):
+            allowed = sorted(state) if state is not None else None
+            ref = _reference_distribution(tiny_model, req.prompt_ids + out.token_ids[:t], params, allowed)
+            kept = torch.isfinite(ref).nonzero().squeeze(1)
+            assert out.support_size[t] == len(kept)
+            assert out.logprobs[t] == pytest.approx(float(ref[tok]), abs=2e-5)
+            head = ref.topk(min(20, len(kept)))
+            assert out.topk_logprobs[t] == pytest.approx(head.values.tolist(), abs=2e-5)
+            assert set(out.topk_ids[t]) == set(head.indices.tolist())  # the K largest
+            if 20 < len(kept) < engine.vocab_size:
+                assert sorted(out.support_ids[t]) == kept.tolist()  # support recorded beside the head
+            else:
+                assert out.support_ids[t] == []
+            if len(kept) == 1:
+                assert out.logprobs[t] == 0.0 and out.topk_ids[t] == [tok]  # forced token
+            else:
+                checked_free += 1
+            if state is not None:
+                state = state[tok]
+        if constrained:
+            assert out.finish_reason == "stop" and out.token_ids[-1] == tokenizer.eos_token_id
+    assert checked_free >= 3
+
+
+def test_seeded_generation_is_reproducible(tiny_model, tokenizer, heldout):
+    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    reqs = [
+        Request(render_ids(tokenizer, ChessEpisode(p).messages), SamplingParams(max_tokens=4))
+        for p in heldout[:4]
+    ]
+    a = engine.generate(reqs, seed=5)
+    b = engine.generate(reqs, seed=5)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]

@@ -1,0 +1,66 @@
+import chess
+
+from prodrl_pipeline.engine.constraints import tool_choice_constraint
+from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
+from prodrl_pipeline.envs.chess_env import MOVE_TOOL, ChessEpisode, legal_move_texts, tool_call_message
+
+
+def test_every_move_is_one_token_in_list_and_argument(tokenizer, heldout):
+    for puzzle in heldout[:50]:
+        board = puzzle.start_board()
+        for move in legal_move_texts(board):
+            text = tool_call_message(move)["tool_calls"][0]["function"]["arguments"]
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert tokenizer.convert_ids_to_tokens(ids).count(move) == 1, (move, text)
+
+
+def test_next_prompt_extends_previous_prompt_and_completion(tokenizer, train_puzzles):
+    puzzle = next(p for p in train_puzzles if "mateIn2" in p.themes)
+    ep = ChessEpisode(puzzle)
+    prompt = render_ids(tokenizer, ep.messages)
+    move = chess.Move.from_uci(puzzle.moves[1])
+    message = tool_call_message(ep.board.san(move).replace("#", "+"))
+    completion_text = tokenizer.apply_chat_template([message], tokenize=False).split("assistant\n", 1)[1]
+    completion = tokenizer.encode(completion_text.rstrip("\n"), add_special_tokens=False)
+    ep.step(message)
+    nxt = render_ids(tokenizer, ep.messages)
+    assert nxt[: len(prompt) + len(completion)] == prompt + completion
+
+
+def test_constraint_choices_are_the_templates_tool_calls(tokenizer, heldout):
+    ep = ChessEpisode(heldout[0])
+    allowed = ep.allowed_moves()
+    constraint = tool_choice_constraint(tokenizer, "move", "move", allowed)
+    seen = []
+
+    def walk(node, prefix):
+        if constraint.is_done(node):
+            seen.append(prefix)
+            return
+        for tok in constraint.allowed(node):
+            walk(constraint.advance(node, tok), prefix + [tok])
+
+    walk(constraint.root, [])
+    decoded = {tokenizer.decode(s, skip_special_tokens=False) for s in seen}
+    rendered = {
+        tokenizer.apply_chat_template([tool_call_message(m)], tokenize=False)
+        .split("assistant\n", 1)[1]
+        .rstrip("\n")
+        for m in allowed
+    }
+    assert decoded == rendered and len(seen) == len(allowed)
+    assert {parse_assistant_text(t)["tool_calls"][0]["function"]["arguments"] for t in decoded} == {
+        tool_call_message(m)["tool_calls"][0]["function"]["arguments"] for m in allowed
+    }
+
+
+def test_tools_are_rendered_in_the_system_turn(tokenizer):
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tools=[MOVE_TOOL], tokenize=False
+    )
+    assert text.startswith("<|im_start|>system\n# Tools\n<tools>") and '"name": "move"' in text
+
+
+def test_malformed_tool_call_is_kept_raw():
+    msg = parse_assistant_text('<tool_call>{"name": "move", "argu</tool_call><|im_end|>')
+    assert msg["tool_calls"][0]["function"]["name"] == ""

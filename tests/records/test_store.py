@@ -1,0 +1,92 @@
+import struct
+from datetime import UTC, datetime
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from prodrl_pipeline.records.store import DeltaStore
+
+NOW = datetime(2026, 11, 30, tzinfo=UTC)
+
+
+def _call(i: int, round_: int, ids: list[int], lps: list[float]) -> dict:
+    return {
+        "call_id": f"c{i}",
+        "trajectory_id": f"t{i}",
+        "call_index": 0,
+        "round": round_,
+        "deployment_id": "d",
+        "prompt_token_ids": ids,
+        "completion_token_ids": ids,
+        "completion_logprobs": lps,
+        "topk_token_ids": [[x] for x in ids],
+        "topk_logprobs": [[x] for x in lps],
+        "support_size": [1] * len(ids),
+        "support_token_ids": [[] for _ in ids],
+        "vocab_size": 2**31 - 1,
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "seed": 1},
+        "finish_reason": "stop",
+        "messages_json": "[]",
+        "created_at": NOW,
+    }
+
+
+def test_token_ids_and_logprobs_round_trip_bit_exactly(tmp_path):
+    rng = np.random.default_rng(0)
+    ids = [0, 1, 2**31 - 1, 151_645, *rng.integers(0, 2**31 - 1, 60).tolist()]
+    specials = [0.0, -0.0, -1e-45, -1.1754942e-38, -3.4028235e38, -np.float32(1 / 3), -9999.0]
+    lps = [float(np.float32(x)) for x in specials] + (-rng.exponential(3, len(ids) - len(specials))).astype(
+        np.float32
+    ).tolist()
+    store = DeltaStore(tmp_path)
+    store.overwrite_round("calls", [_call(0, 1, ids, lps)], 1)
+    row = store.read("calls", 1).to_pylist()[0]
+    assert row["completion_token_ids"] == ids
+    bits = lambda xs: [struct.pack("<f", x) for x in xs]  # noqa: E731
+    assert bits(row["completion_logprobs"]) == bits(lps)
+    assert bits([h[0] for h in row["topk_logprobs"]]) == bits(lps)
+    assert store.table("calls").schema().to_arrow().field("completion_logprobs").type == pa.list_(
+        pa.float32()
+    )
+
+
+def test_rematerializing_a_round_replaces_it(tmp_path):
+    store = DeltaStore(tmp_path)
+    for round_ in (1, 2):
+        store.overwrite_round("calls", [_call(i, round_, [1, 2], [-0.5, -1.0]) for i in range(5)], round_)
+    store.overwrite_round("calls", [_call(i, 1, [1, 2], [-0.5, -1.0]) for i in range(5)], 1)
+    store.overwrite_round("calls", [_call(i, 1, [1, 2], [-0.5, -1.0]) for i in range(5)], 1)
+    assert store.read("calls", 1).num_rows == 5 and store.read("calls").num_rows == 10
+
+
+def test_overwrite_refuses_rows_outside_the_predicate(tmp_path):
+    store = DeltaStore(tmp_path)
+    store.overwrite_round("calls", [_call(0, 1, [1], [-1.0])], 1)
+    with pytest.raises(Exception, match="failed validation"):
+        store.overwrite_round("calls", [_call(0, 1, [1], [-1.0])], 2)
+
+
+def test_live_pointer_is_unique(tmp_path):
+    from prodrl_pipeline.records.registry import register_deployment
+
+    store = DeltaStore(tmp_path)
+    for dep in ("base", "main-r000001"):
+        register_deployment(
+            store,
+            deployment_id=dep,
+            round_=0,
+            checkpoint_id=dep,
+            path="p",
+            quant_format="nvfp4",
+            sampling_json="{}",
+        )
+    assert store.live_deployment() is None
+    store.set_live("base")
+    store.set_live("main-r000001")
+    assert store.live_deployment()["deployment_id"] == "main-r000001"
+    assert sum(r["live"] for r in store.read("deployments").to_pylist()) == 1
+    with pytest.raises(KeyError):
+        store.set_live("nope")
+    with pytest.raises(ValueError):
+        store.set_live("x' OR 1=1 --")

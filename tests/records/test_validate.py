@@ -1,0 +1,77 @@
+from datetime import UTC, datetime
+
+from prodrl_pipeline.records.validate import split_valid
+
+NOW = datetime(2026, 11, 30, tzinfo=UTC)
+
+
+def _call(tid: str, **over) -> dict:
+    call = {
+        "call_id": f"{tid}-0",
+        "trajectory_id": tid,
+        "call_index": 0,
+        "round": 1,
+        "deployment_id": "d",
+        "prompt_token_ids": [1, 2, 3],
+        "completion_token_ids": [4, 5],
+        "completion_logprobs": [-0.5, 0.0],
+        "topk_token_ids": [[4, 6], [5]],
+        "topk_logprobs": [[-0.5, -1.0], [0.0]],
+        "support_size": [3, 1],
+        "support_token_ids": [[4, 6, 7], []],
+        "vocab_size": 10,
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "seed": 0},
+        "finish_reason": "stop",
+        "messages_json": "[]",
+        "created_at": NOW,
+    }
+    return {**call, **over}
+
+
+def _traj(tid: str, **over) -> dict:
+    t = {
+        "trajectory_id": tid,
+        "round": 1,
+        "deployment_id": "d",
+        "task_id": "p",
+        "reward": 1.0,
+        "n_calls": 1,
+        "n_completion_tokens": 2,
+        "started_at": NOW,
+        "finished_at": NOW,
+        "source": "lab",
+    }
+    return {**t, **over}
+
+
+BAD = {
+    "lengths": _call("b1", completion_logprobs=[-0.5]),
+    "id range": _call("b2", completion_token_ids=[4, 10]),
+    "positive logprob": _call("b3", completion_logprobs=[0.5, 0.0]),
+    "nan logprob": _call("b4", completion_logprobs=[float("nan"), 0.0]),
+    "support missing": _call("b5", support_token_ids=[[], []]),
+    "outside support": _call("b6", completion_token_ids=[8, 5]),
+    "greedy": _call(
+        "b7", sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "seed": 0}
+    ),
+}
+
+
+def test_good_records_pass_and_each_broken_rule_is_rejected_with_its_reason():
+    calls = [_call("g")] + list(BAD.values())
+    trajs = [_traj("g")] + [_traj(c["trajectory_id"]) for c in BAD.values()]
+    trajs.append(_traj("unscored", reward=None))
+    trajs.append(_traj("miscounted", n_calls=2))
+    calls.append(_call("miscounted"))
+    good_calls, good_trajs, rejects = split_valid(calls, trajs)
+    assert [c["call_id"] for c in good_calls] == ["g-0"]
+    assert [t["trajectory_id"] for t in good_trajs] == ["g"]
+    rejected_trajs = {r["record_id"]: r["reason"] for r in rejects if r["table_name"] == "trajectories"}
+    assert set(rejected_trajs) == {c["trajectory_id"] for c in BAD.values()} | {"unscored", "miscounted"}
+    assert "reward" in rejected_trajs["unscored"] and "n_calls" in rejected_trajs["miscounted"]
+    assert "support" in rejected_trajs["b5"] and "outside" in rejected_trajs["b6"]
+    assert "greedy" in rejected_trajs["b7"]
+    # every call of a rejected trajectory is rejected too: nothing of it is trained on
+    assert {r["record_id"] for r in rejects if r["table_name"] == "calls"} == {
+        c["call_id"] for c in calls if c["trajectory_id"] != "g"
+    }
