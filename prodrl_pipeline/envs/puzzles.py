@@ -11,7 +11,7 @@ import csv
 import hashlib
 import io
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing import Pool
 from pathlib import Path
@@ -248,9 +248,3 @@ def generate(
         seen.add(p.extra["key"])
         (heldout if p.extra["game"] % heldout_every == 0 else train).append(p)
     return train, heldout
-
-
-def iter_player_moves(puzzle: Puzzle) -> Iterator[tuple[int, str]]:
-    """(index, uci) of each move the player must find."""
-    for i in range(1, len(puzzle.moves), 2):
-        yield i, puzzle.moves[i]

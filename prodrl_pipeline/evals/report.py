@@ -13,6 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     def fmt(v: object) -> str:
+        if v is None:
+            return "-"
         return f"{v:.4f}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
