@@ -2,15 +2,16 @@
 
 from dataclasses import asdict
 
-from dagster import AssetExecutionContext, MaterializeResult, asset
+from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, asset
 
 from assets import metadata
 from assets.advantages import advantages
 from assets.partitions import round_number, rounds
+from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup, register_checkpoint, round_id
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
-from prodrl_pipeline.rl.trainer import make_optimizer, train_round
-from resources.lab import LabResource
+from prodrl_pipeline.rl.trainer import make_optimizer, policy_logprobs, train_round
+from resources.lab import EstimatorSettings, LabResource
 from resources.store import StoreResource
 
 STEP_COLUMNS = [
@@ -21,32 +22,75 @@ STEP_COLUMNS = [
     "entropy",
     "engine_mismatch",
     "staleness",
+    "clip_fraction",
+    "rho_truncated_fraction",
+    "kl",
+    "dropped_trajectories",
     "seconds",
 ]
 
 
+class CheckpointConfig(Config):
+    estimator: EstimatorSettings | None = None
+    """Override the resource's default estimator for this run (recorded in the checkpoint)."""
+
+
 @asset(partitions_def=rounds, deps=[advantages], group_name="round", kinds={"pytorch", "delta"})
-def checkpoint(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
+def checkpoint(
+    context: AssetExecutionContext, config: CheckpointConfig, store: StoreResource, lab: LabResource
+) -> MaterializeResult:
     """Train the round. The parent is the checkpoint behind the deployment that served the round's
     trajectories (lineage is data: `deployment_id` on every trajectory row)."""
     k = round_number(context.partition_key)
     tables = store.tables(context.run.run_id, context.partition_key)
+    try:
+        cfg = lab.trainer(config.estimator)
+    except ValueError as e:
+        raise Failure(description=f"invalid estimator configuration: {e}") from e
     served_by = set(tables.read("trajectories", k).column("deployment_id").to_pylist())
     if len(served_by) != 1:
-        raise RuntimeError(f"round {k}: expected trajectories from one deployment, found {sorted(served_by)}")
+        raise Failure(
+            description=f"round {k}: expected trajectories from one deployment, found {sorted(served_by)}"
+        )
     deployment = lookup(tables, "deployments", "deployment_id", served_by.pop())
     parent = lookup(tables, "checkpoints", "checkpoint_id", deployment["checkpoint_id"])
     model, optimizer_state, parent_meta = load_checkpoint(parent["path"])
-    cfg = lab.trainer()
     optimizer = make_optimizer(model, cfg, optimizer_state)
-    calls = tables.read("calls", k).to_pylist()
+    pad = lab.tokenizer().pad_token_id
     adv = tables.read("advantages", k).to_pylist()
-    context.log.info(f"round {k}: {cfg.steps} steps of {cfg.batch_size} from {parent['checkpoint_id']}")
+    trained = set(a["trajectory_id"] for a in adv)
+    calls = [c for c in tables.read("calls", k).to_pylist() if c["trajectory_id"] in trained]
+    est = cfg.estimator
+    context.log.info(
+        f"round {k}: {cfg.steps} x {cfg.batch_size} with {est.type} from {parent['checkpoint_id']}"
+    )
+
+    round_start = policy_logprobs(model, calls, cfg, pad)
+    reference = (
+        policy_logprobs(load_deployment(deployment["path"]), calls, cfg, pad)
+        if est.type == "ref_is"
+        else None
+    )
+    tables.overwrite(
+        "policy_logprobs",
+        [
+            {
+                "call_id": c["call_id"],
+                "round": k,
+                "experiment": lab.experiment,
+                "round_start_logprobs": round_start[c["call_id"]].tolist(),
+                "reference_logprobs": reference[c["call_id"]].tolist() if reference else None,
+            }
+            for c in calls
+        ],
+        f"round = {k} AND experiment = '{lab.experiment}'",
+    )
 
     def progress(row: dict) -> None:
         context.log.info(
             f"round {k} step {row['step']}: reward {row['reward_mean']:.3f} loss {row['loss']:.4f} "
-            f"|log pi_k - log mu| {row['engine_mismatch']:.4f} |log pi - log pi_k| {row['staleness']:.4f}"
+            f"|log pi_k - log mu| {row['engine_mismatch']:.4f} |log pi - log pi_k| {row['staleness']:.4f} "
+            f"clip {row['clip_fraction']:.3f} kl {row['kl']:.5f}"
         )
 
     rows = train_round(
@@ -55,8 +99,10 @@ def checkpoint(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         calls,
         adv,
         cfg,
-        lab.tokenizer().pad_token_id,
+        pad,
         first_step=parent_meta["step"],
+        round_start=round_start,
+        reference=reference,
         progress=progress,
     )
     ckpt_id = round_id(lab.experiment, k)
@@ -90,24 +136,41 @@ def checkpoint(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         f"round = {k} AND experiment = '{lab.experiment}'",
     )
     steps = [r["step"] for r in rows]
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     return MaterializeResult(
         metadata={
             "checkpoint_id": ckpt_id,
             "parent_id": parent["checkpoint_id"],
             "path": str(path),
             "global_step": meta["step"],
-            "estimator": cfg.estimator,
-            "engine_mismatch": sum(r["engine_mismatch"] for r in rows) / len(rows),
+            "estimator": est.type,
+            "estimator_config": asdict(est),
+            "engine_mismatch": mean("engine_mismatch"),
             "staleness_last_step": rows[-1]["staleness"],
+            "clip_fraction": mean("clip_fraction"),
+            "rho_truncated_fraction": mean("rho_truncated_fraction"),
+            "kl": mean("kl"),
+            "dropped_trajectories": sum(r["dropped_trajectories"] for r in rows),
             "steps": metadata.table(rows, STEP_COLUMNS),
             "mismatch_plot": metadata.plot(
                 steps,
                 {
                     "|log pi_k - log mu| (engine)": [r["engine_mismatch"] for r in rows],
                     "|log pi - log pi_k| (staleness)": [r["staleness"] for r in rows],
+                    "|log pi - log mu| (total)": [r["total_mismatch"] for r in rows],
                 },
                 "optimizer step",
                 f"round {k}: mismatch per step",
+            ),
+            "correction_plot": metadata.plot(
+                steps,
+                {
+                    "clip fraction": [r["clip_fraction"] for r in rows],
+                    "rho truncation fraction": [r["rho_truncated_fraction"] for r in rows],
+                    "KL(pi || pi_k) estimate": [r["kl"] for r in rows],
+                },
+                "optimizer step",
+                f"round {k}: corrections per step",
             ),
         }
     )

@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from dagster import ConfigurableResource
+from dagster import Config, ConfigurableResource
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.processing import SamplingParams
@@ -16,6 +16,7 @@ from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.model import TinyQwen3Config
 from prodrl_pipeline.quant.nvfp4 import load_deployment
+from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.trainer import TrainerConfig
 
 
@@ -27,6 +28,24 @@ def _tokenizer(path: str) -> PreTrainedTokenizerBase:
 @lru_cache(maxsize=4)
 def _puzzles(data_dir: str, split: str) -> tuple[Puzzle, ...]:
     return tuple(iter_lab_puzzles(data_dir, split))
+
+
+class EstimatorSettings(Config):
+    """Dagster config of `rl.estimators.EstimatorConfig` (same fields, same meaning)."""
+
+    type: Literal["reinforce", "token_is", "tis_ppo", "ref_is", "score_centering"] = "reinforce"
+    is_cap: float = 2.0
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    trust_region: bool = False
+    trust_region_delta: float = 3e-3
+    centering: Literal["head", "samples"] = "head"
+    truncated_is: bool = False
+    kl_beta: float = 0.0
+
+    def resolve(self) -> EstimatorConfig:
+        """The validated library config; raises ValueError saying what to change."""
+        return EstimatorConfig(**self.model_dump())
 
 
 class LabResource(ConfigurableResource):
@@ -64,7 +83,10 @@ class LabResource(ConfigurableResource):
     """B: trajectories per step; a round collects S*B."""
     lr: float = 5e-4
     grad_clip: float = 1.0
-    estimator: Literal["reinforce"] = "reinforce"
+    estimator: EstimatorSettings = EstimatorSettings()
+    """Default estimator; a run can override it (config of the `checkpoint` asset)."""
+    extra_samples: int = 0
+    """M: extra tokens the engine samples per position (score centering's samples form)."""
     microbatch_calls: int = 64
     seed: int = 0
     """Seed of puzzle sampling, engine sampling and minibatch shuffles."""
@@ -84,13 +106,13 @@ class LabResource(ConfigurableResource):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens
         )
 
-    def trainer(self) -> TrainerConfig:
+    def trainer(self, estimator: EstimatorSettings | None = None) -> TrainerConfig:
         return TrainerConfig(
             steps=self.steps,
             batch_size=self.batch_size,
             lr=self.lr,
             grad_clip=self.grad_clip,
-            estimator=self.estimator,
+            estimator=(estimator or self.estimator).resolve(),
             microbatch_calls=self.microbatch_calls,
             seed=self.seed,
         )
@@ -105,5 +127,9 @@ class LabResource(ConfigurableResource):
         """The embedded engine serving a deployment export."""
         tok = self.tokenizer()
         return TorchEngine(
-            load_deployment(deployment_path), tok.eos_token_id, tok.pad_token_id, self.top_logprobs
+            load_deployment(deployment_path),
+            tok.eos_token_id,
+            tok.pad_token_id,
+            self.top_logprobs,
+            self.extra_samples,
         )

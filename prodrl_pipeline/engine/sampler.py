@@ -2,9 +2,10 @@
 
 For every position of every completion it records what DESIGN.md §3 asks: the sampled id, its
 log-prob under the processed distribution mu (after the structured-output mask, temperature,
-top-k, top-p), the top-K head of mu (forced tokens: one entry, log-prob 0), and the kept support
-when sampling was restricted: `support_size` tokens were kept; if that is more than the head holds
-and less than the vocabulary, `support_ids` lists them all.
+top-k, top-p), the top-K head of mu (forced tokens: one entry, log-prob 0), the kept support
+when sampling was restricted (`support_size` tokens were kept; if that is more than the head holds
+and less than the vocabulary, `support_ids` lists them all), and optionally M extra tokens drawn
+from the same mu in the same multinomial call (score centering's samples form).
 """
 
 from __future__ import annotations
@@ -33,17 +34,23 @@ class Completion:
     topk_logprobs: list[list[float]] = field(default_factory=list)
     support_size: list[int] = field(default_factory=list)
     support_ids: list[list[int]] = field(default_factory=list)
+    extra_ids: list[list[int]] = field(default_factory=list)
     finish_reason: str = "length"
 
 
 class TorchEngine:
     """Serves a causal LM (already holding the deployed weights) on CPU or GPU."""
 
-    def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int, top_logprobs: int = 20):
+    def __init__(
+        self, model: PreTrainedModel, eos_id: int, pad_id: int, top_logprobs: int = 20, extra_samples: int = 0
+    ):
         if top_logprobs < 1:
             raise ValueError(f"top_logprobs must be >= 1, got {top_logprobs}")
+        if extra_samples < 0:
+            raise ValueError(f"extra_samples must be >= 0, got {extra_samples}")
         self.model = model.eval()
         self.eos_id, self.pad_id, self.top_logprobs = eos_id, pad_id, top_logprobs
+        self.extra_samples = extra_samples
         self.vocab_size = model.config.vocab_size
 
     @torch.inference_mode()
@@ -60,7 +67,7 @@ class TorchEngine:
         temperature = torch.tensor([r.params.temperature for r in requests])
         top_k = torch.tensor([r.params.top_k for r in requests])
         top_p = torch.tensor([r.params.top_p for r in requests])
-        b = _Batch(requests, self.vocab_size, self.eos_id, self.pad_id, self.top_logprobs)
+        b = _Batch(requests, self.vocab_size, self.eos_id, self.pad_id, self.top_logprobs, self.extra_samples)
         forced = b.force_common()
         prompts = [r.prompt_ids + f for r, f in zip(requests, forced, strict=True)]
         width = max(len(p) for p in prompts)
@@ -84,9 +91,11 @@ class TorchEngine:
             logp = processed_logprobs(  # [N, V]
                 result.logits[:, -1, :], temperature, top_k, top_p, b.allowed_mask()
             )
-            sampled = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)  # [N]
+            # the sampled token and M extra samples of the same mu, in one draw
+            draws = torch.multinomial(logp.exp(), 1 + self.extra_samples, replacement=True, generator=gen)
+            sampled = draws[:, 0]  # [N]
             was_done = list(b.done)
-            b.record_sampled(logp, sampled)
+            b.record_sampled(logp, sampled, draws[:, 1:])
             forced = b.force_common()
             new = [[int(sampled[i]), *forced[i]] for i in range(n)]
             width = len(new[0])
@@ -102,9 +111,18 @@ class TorchEngine:
 class _Batch:
     """Per-request decoding state of one `generate` call: constraint states, outputs, done flags."""
 
-    def __init__(self, requests: list[Request], vocab_size: int, eos_id: int, pad_id: int, top_logprobs: int):
+    def __init__(
+        self,
+        requests: list[Request],
+        vocab_size: int,
+        eos_id: int,
+        pad_id: int,
+        top_logprobs: int,
+        extra_samples: int,
+    ):
         self.requests, self.vocab_size = requests, vocab_size
         self.eos_id, self.pad_id, self.top_logprobs = eos_id, pad_id, top_logprobs
+        self.extra_samples = extra_samples
         self.states = [r.constraint.root if r.constraint else None for r in requests]
         self.out = [Completion() for _ in requests]
         self.done = [False] * len(requests)
@@ -119,7 +137,7 @@ class _Batch:
                 allowed[i, list(s)] = True
         return allowed
 
-    def record_sampled(self, logp: torch.Tensor, sampled: torch.Tensor) -> None:
+    def record_sampled(self, logp: torch.Tensor, sampled: torch.Tensor, extra: torch.Tensor) -> None:
         k = min(self.top_logprobs, self.vocab_size)
         head_lp, head_ids = logp.topk(k, dim=-1)  # [N, K]
         kept = torch.isfinite(logp).sum(-1)  # [N]
@@ -138,6 +156,7 @@ class _Batch:
                 head_lp[i, :n_head].tolist(),
                 size,
                 support,
+                extra[i].tolist(),
             )
 
     def force_common(self) -> list[list[int]]:
@@ -157,7 +176,7 @@ class _Batch:
                 continue
             chain = next(it)[:m]
             for tok in chain:
-                self.append(i, tok, 0.0, [tok], [0.0], 1, [])
+                self.append(i, tok, 0.0, [tok], [0.0], 1, [], [tok] * self.extra_samples)
             out.append(chain)
         return out
 
@@ -170,6 +189,7 @@ class _Batch:
         head_lp: list[float],
         support_size: int,
         support_ids: list[int],
+        extra_ids: list[int],
     ) -> None:
         c = self.out[i]
         c.token_ids.append(tok)
@@ -178,6 +198,7 @@ class _Batch:
         c.topk_logprobs.append(head_lp)
         c.support_size.append(support_size)
         c.support_ids.append(support_ids)
+        c.extra_ids.append(extra_ids)
         if self.states[i] is not None:
             self.states[i] = ChoiceConstraint.advance(self.states[i], tok)
         if tok == self.eos_id or (self.states[i] is not None and not self.states[i]):

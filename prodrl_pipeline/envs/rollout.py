@@ -93,6 +93,7 @@ def play(
                         "topk_logprobs": out.topk_logprobs,
                         "support_size": out.support_size,
                         "support_token_ids": out.support_ids,
+                        "extra_token_ids": out.extra_ids,
                         "vocab_size": engine.vocab_size,
                         "sampling": {**asdict(params), "seed": batch_seed},
                         "finish_reason": out.finish_reason,

@@ -37,6 +37,8 @@ CALLS = pa.schema(
         # larger than the head and smaller than the vocabulary, its ids (else an empty list)
         ("support_size", IDS),
         ("support_token_ids", pa.list_(IDS)),
+        # M extra tokens per position sampled from the same mu (score centering's samples form)
+        ("extra_token_ids", pa.list_(IDS)),
         ("vocab_size", pa.int32()),
         ("sampling", SAMPLING),
         ("finish_reason", pa.string()),
@@ -86,7 +88,22 @@ TRAIN_STEPS = pa.schema(
         ("engine_mismatch", pa.float64()),  # mean |log pi_k - log mu| over sampled tokens
         ("staleness", pa.float64()),  # mean |log pi - log pi_k|
         ("total_mismatch", pa.float64()),  # mean |log pi - log mu|
+        ("clip_fraction", pa.float64()),
+        ("rho_truncated_fraction", pa.float64()),
+        ("kl", pa.float64()),
+        ("dropped_trajectories", pa.int64()),
         ("seconds", pa.float64()),
+    ]
+)
+
+# pi_k (and the ref_is reference) per call, computed once per round before the first step
+POLICY_LOGPROBS = pa.schema(
+    [
+        ("call_id", pa.string()),
+        ("round", pa.int64()),
+        ("experiment", pa.string()),
+        ("round_start_logprobs", LOGPROBS),
+        ("reference_logprobs", LOGPROBS),  # null unless the estimator needs it
     ]
 )
 
@@ -143,6 +160,7 @@ TABLES: dict[str, pa.Schema] = {
     "trajectories": TRAJECTORIES,
     "advantages": ADVANTAGES,
     "train_steps": TRAIN_STEPS,
+    "policy_logprobs": POLICY_LOGPROBS,
     "checkpoints": CHECKPOINTS,
     "deployments": DEPLOYMENTS,
     "eval_results": EVAL_RESULTS,

@@ -17,7 +17,7 @@ from deltalake import CommitProperties, DeltaTable, QueryBuilder, write_deltalak
 from prodrl_pipeline.records.schema import TABLES
 
 SAFE_ID = re.compile(r"[A-Za-z0-9_.:-]+")  # ids that may appear inside a SQL predicate
-PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "eval_results"}
+PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "policy_logprobs", "eval_results"}
 
 
 class DeltaStore:

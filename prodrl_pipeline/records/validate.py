@@ -23,6 +23,11 @@ def call_problem(call: dict) -> str | None:
         return f"token id outside [0, {vocab})"
     if not call.get("sampling") or not call["sampling"].get("temperature"):
         return "no sampling temperature > 0: a greedy call has no sampling distribution to train on"
+    extra = call.get("extra_token_ids") or []
+    if extra and len(extra) != len(completion):
+        return f"extra samples recorded for {len(extra)} of {len(completion)} positions"
+    if extra and len({len(e) for e in extra}) != 1:
+        return "positions recorded different numbers of extra samples"
     for t, tok in enumerate(completion):
         lp = call["completion_logprobs"][t]
         head, head_lp = call["topk_token_ids"][t], call["topk_logprobs"][t]
@@ -36,8 +41,8 @@ def call_problem(call: dict) -> str | None:
         if len(head) < size < vocab and len(support) != size:
             return f"position {t}: restricted support of {size} tokens is not recorded"
         kept = support if support else (head if size <= len(head) else None)
-        if kept is not None and tok not in kept:
-            return f"position {t}: sampled id {tok} is outside the recorded support"
+        if kept is not None and any(v not in kept for v in [tok, *(extra[t] if extra else [])]):
+            return f"position {t}: a sampled id is outside the recorded support"
     return None
 
 

@@ -1,36 +1,211 @@
 """Per-token policy-gradient estimators (DESIGN.md §4) and the one aggregation they share.
 
-Every estimator has one signature: it takes `TokenInputs` and returns the per-token objective
-J_t (maximized; only `logprobs` = log pi carries gradient) plus diagnostics. `aggregate` turns
-J_t into the minibatch loss.
+Every estimator has one signature: `(x: TokenInputs, cfg: EstimatorConfig) -> (J, diagnostics)`.
+J is the per-token objective (maximized); only the trainer's current log-probs (`logprobs`,
+`full_logprobs`, `head_logprobs`, `extra_logprobs` = log pi) carry gradient, every other factor is
+stop-gradient (sg). Diagnostics are per-token tensors the trainer averages. Symbols: mu the
+deployment's sampling distribution (recorded), pi_k the round-start policy, pi the current policy,
+A the trajectory's advantage. IS ratios use pi, pi_k, mu renormalized over the sampled support S;
+score centering uses full-vocabulary pi and the unrenormalized recorded head of mu.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+MAX_LOG_RATIO = 20.0  # keeps exp() of a log-ratio finite; ratios beyond e^20 are truncated or clipped anyway
+MASS_EPS = 1e-6  # a head whose mass is within this of 1 is treated as the whole support (alpha = 0)
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    """Which estimator, and its parameters. Validated at construction."""
+
+    type: Literal["reinforce", "token_is", "tis_ppo", "ref_is", "score_centering"] = "reinforce"
+    """The per-token estimator (see docs/estimators.md)."""
+    is_cap: float = 2.0
+    """C: truncation of importance weights (tis_ppo, ref_is, score_centering with truncated_is)."""
+    eps_low: float = 0.2
+    """PPO clip below: r >= 1 - eps_low (tis_ppo, ref_is)."""
+    eps_high: float = 0.28
+    """PPO clip above: r <= 1 + eps_high (tis_ppo, ref_is)."""
+    trust_region: bool = False
+    """token_is: drop a trajectory whose mean Bernoulli-KL(mu(a), pi(a)) exceeds trust_region_delta."""
+    trust_region_delta: float = 3e-3
+    """delta of the sequence trust region (FlashREINFORCE)."""
+    centering: Literal["head", "samples"] = "head"
+    """score_centering: E_mu[s] from the recorded top-K head (+ modelled tail) or from M extra samples."""
+    truncated_is: bool = False
+    """score_centering (head): compose with the truncated IS weight w(x) = min(x, C)."""
+    kl_beta: float = 0.0
+    """beta of the KL penalty toward pi_k, added to any estimator (0 = off)."""
+
+    def __post_init__(self) -> None:
+        if self.type not in ESTIMATORS:
+            raise ValueError(f"estimator type {self.type!r} unknown; choose one of {sorted(ESTIMATORS)}")
+        if self.is_cap <= 0:
+            raise ValueError(f"is_cap must be > 0, got {self.is_cap}")
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+        if self.trust_region_delta <= 0:
+            raise ValueError(f"trust_region_delta must be > 0, got {self.trust_region_delta}")
+        if self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}")
+        if self.trust_region and self.type != "token_is":
+            raise ValueError("trust_region applies to type='token_is' only")
+        if self.truncated_is and not (self.type == "score_centering" and self.centering == "head"):
+            raise ValueError("truncated_is composes with type='score_centering', centering='head' only")
+        if self.centering != "head" and self.type != "score_centering":
+            raise ValueError("centering applies to type='score_centering' only")
 
 
 @dataclass
 class TokenInputs:
-    """Per completion token of a minibatch (shapes [Ntok])."""
+    """Per completion token of a microbatch; shapes [N] unless noted."""
 
-    logprobs: torch.Tensor  # log pi(a|h), current trainer policy, with gradient
-    deployment_logprobs: torch.Tensor  # log mu(a|h), recorded by the engine
-    round_start_logprobs: torch.Tensor  # log pi_k(a|h), theta_k before the round's first step
+    logprobs: torch.Tensor  # log pi(a|h) over the support S, with gradient
+    deployment_logprobs: torch.Tensor  # log mu(a|h), recorded (already over S)
+    round_start_logprobs: torch.Tensor  # log pi_k(a|h) over S, computed once per round
     advantages: torch.Tensor  # A_i of the token's trajectory
+    trajectory: torch.Tensor  # [N] int: index of the token's trajectory in the microbatch
+    free: torch.Tensor  # [N] bool: sampled (support > 1 token), not forced
+    full_logprobs: torch.Tensor | None = None  # log pi(a|h) over the vocabulary, with gradient
+    head_logprobs: torch.Tensor | None = None  # [N, K] log pi of mu's recorded head, with gradient
+    head_deployment_logprobs: torch.Tensor | None = None  # [N, K] recorded log mu of the head (-inf = pad)
+    extra_logprobs: torch.Tensor | None = None  # [N, M] log pi of the deployment's extra samples
+    reference_logprobs: torch.Tensor | None = None  # log ref(a|h) over S from the dequantized deployment
 
 
-def reinforce(x: TokenInputs) -> tuple[torch.Tensor, dict[str, float]]:
-    """J_t = A_i * log pi(a|h), w = 1. With S = 1 this is a synchronous on-policy REINFORCE step
-    on recorded tokens; it corrects neither engine mismatch (mu != pi_k) nor staleness."""
+Diagnostics = dict[str, torch.Tensor]
+
+
+def _ratio(log_num: torch.Tensor, log_den: torch.Tensor) -> torch.Tensor:
+    return torch.exp((log_num - log_den).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+def reinforce(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor, Diagnostics]:
+    """J = A log pi(a|h), w = 1. With S = 1 a synchronous on-policy step on recorded tokens;
+    corrects neither the engine mismatch (mu != pi_k) nor staleness (pi != pi_k)."""
     return x.advantages * x.logprobs, {}
 
 
-Estimator = Callable[[TokenInputs], tuple[torch.Tensor, dict[str, float]]]
-ESTIMATORS: dict[str, Estimator] = {"reinforce": reinforce}
+def token_is(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor, Diagnostics]:
+    """FlashREINFORCE (Hu et al. 2026): J = sg(pi(a)/mu(a)) A log pi(a), unclipped token IS against
+    the recorded mu, so it corrects both the engine mismatch and staleness, at the cost of variance.
+    Optional sequence trust region: drop trajectory i (J = 0 on its tokens) if the mean over its
+    sampled tokens of Bernoulli-KL(mu(a), pi(a)) exceeds delta."""
+    w = _ratio(x.logprobs, x.deployment_logprobs).detach()
+    objective = w * x.advantages * x.logprobs
+    diag: Diagnostics = {}
+    if cfg.trust_region:
+        mu = x.deployment_logprobs.exp().clamp(0.0, 1.0 - MASS_EPS)
+        pi = x.logprobs.detach().exp().clamp(MASS_EPS, 1.0 - MASS_EPS)
+        kl = mu * (mu.clamp_min(MASS_EPS).log() - pi.log()) + (1 - mu) * (torch.log1p(-mu) - torch.log1p(-pi))
+        kl = torch.where(x.free, kl, torch.zeros_like(kl))
+        n = int(x.trajectory.max()) + 1
+        total = torch.zeros(n).index_add(0, x.trajectory, kl)
+        count = torch.zeros(n).index_add(0, x.trajectory, x.free.float()).clamp_min(1.0)
+        dropped = (total / count > cfg.trust_region_delta)[x.trajectory]
+        objective = torch.where(dropped, torch.zeros_like(objective), objective)
+        diag["dropped"] = dropped
+    return objective, diag
+
+
+def tis_ppo(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor, Diagnostics]:
+    """TIS + PPO-clip (Yao et al. 2025): rho = min(pi_k(a)/mu(a), C) corrects the engine mismatch
+    (truncated: biased where pi_k/mu > C); r = pi(a)/pi_k(a) with the PPO clip bounds staleness;
+    J = rho min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)."""
+    return _truncated_ppo(x, x.deployment_logprobs, cfg)
+
+
+def ref_is(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor, Diagnostics]:
+    """As `tis_ppo` with mu replaced by a reference computed in the trainer from the upcast
+    (dequantized NVFP4) deployment weights. Needs no deployment log-probs; corrects staleness and
+    the weight-quantization part of the mismatch, none of the engine's kernels or sampling."""
+    if x.reference_logprobs is None:
+        raise ValueError("ref_is needs reference_logprobs (the trainer computes them from the deployment)")
+    return _truncated_ppo(x, x.reference_logprobs, cfg)
+
+
+def _truncated_ppo(
+    x: TokenInputs, behaviour: torch.Tensor, cfg: EstimatorConfig
+) -> tuple[torch.Tensor, Diagnostics]:
+    raw_rho = _ratio(x.round_start_logprobs, behaviour)
+    rho = raw_rho.clamp(max=cfg.is_cap).detach()
+    r = _ratio(x.logprobs, x.round_start_logprobs)
+    unclipped = r * x.advantages
+    clipped = r.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * x.advantages
+    objective = rho * torch.minimum(unclipped, clipped)
+    diag = {"clipped": (clipped < unclipped).detach(), "rho_truncated": raw_rho > cfg.is_cap}
+    return objective, diag
+
+
+def score_centering(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor, Diagnostics]:
+    """Score centering (Marek & Ryabinin 2026): replace s_a = grad log pi(a|h) by s_a - E_mu[s].
+    Head form, H = the recorded top-K of mu with full-vocabulary probabilities mu_v, mu outside H
+    modelled as alpha pi, alpha = (1 - sum_H mu) / (1 - sum_H pi):
+        J = A (log pi(a) - sum_H sg(mu_v - alpha pi_v) log pi(v)).
+    Exact when the support fits in H (alpha = 0); a forced token contributes nothing. With
+    `truncated_is`, w(x) = min(x, C):
+        J = A (sg(w(pi_a / mu_a)) log pi(a) - sum_H sg(min(pi_v, C mu_v) - min(1, C alpha) pi_v) log pi(v)).
+    Samples form: E_mu[s] ~ (1/M) sum_m s(v_m), v_m the deployment's M extra samples."""
+    A = x.advantages
+    if cfg.centering == "samples":
+        if x.extra_logprobs is None or x.extra_logprobs.shape[1] == 0:
+            raise ValueError(
+                "centering='samples' needs calls recorded with extra samples (engine extra_samples >= 1)"
+            )
+        return A * (x.full_logprobs - x.extra_logprobs.mean(-1)), {}
+    pi_head = x.head_logprobs.exp()  # [N, K]
+    mu_head = x.head_deployment_logprobs.exp()  # [N, K], 0 where padded
+    mu_mass, pi_mass = mu_head.sum(-1), pi_head.detach().sum(-1)  # [N]
+    alpha = torch.where(
+        mu_mass >= 1 - MASS_EPS,
+        torch.zeros_like(mu_mass),
+        (1 - mu_mass).clamp_min(0) / (1 - pi_mass).clamp_min(MASS_EPS),
+    )  # [N]
+    head_lp = x.head_logprobs.masked_fill(~torch.isfinite(x.head_deployment_logprobs), 0.0)
+    if not cfg.truncated_is:
+        coef = (mu_head - alpha[:, None] * pi_head).detach()  # [N, K]
+        return A * (x.full_logprobs - (coef * head_lp).sum(-1)), {}
+    C = cfg.is_cap
+    raw_w = _ratio(x.full_logprobs, x.deployment_logprobs)
+    w = raw_w.clamp(max=C).detach()
+    coef = (torch.minimum(pi_head, C * mu_head) - (C * alpha).clamp(max=1.0)[:, None] * pi_head).detach()
+    return A * (w * x.full_logprobs - (coef * head_lp).sum(-1)), {"rho_truncated": raw_w > C}
+
+
+def kl_penalty(x: TokenInputs) -> torch.Tensor:
+    """Per-token KL toward pi_k from mu-sampled tokens: (pi(a)/mu(a)) (log pi(a) - log pi_k(a)),
+    gradient through pi in both factors; its expected gradient under mu is exactly
+    grad KL(pi || pi_k) when mu covers pi's support (here: KL of the distributions renormalized over
+    the sampled support S). Not the k3 estimator, which is biased as a loss (Tang & Munos 2025)."""
+    return _ratio(x.logprobs, x.deployment_logprobs) * (x.logprobs - x.round_start_logprobs)
+
+
+Estimator = Callable[[TokenInputs, EstimatorConfig], tuple[torch.Tensor, Diagnostics]]
+ESTIMATORS: dict[str, Estimator] = {
+    "reinforce": reinforce,
+    "token_is": token_is,
+    "tis_ppo": tis_ppo,
+    "ref_is": ref_is,
+    "score_centering": score_centering,
+}
+
+
+def objective(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor, Diagnostics]:
+    """The configured estimator's J, minus beta times the KL penalty when beta > 0. The KL
+    estimate is always reported (diagnostic `kl`: its mean estimates KL(pi || pi_k))."""
+    j, diag = ESTIMATORS[cfg.type](x, cfg)
+    kl = kl_penalty(x)
+    if cfg.kl_beta > 0:
+        j = j - cfg.kl_beta * kl
+    diag["kl"] = kl.detach()
+    return j, diag
 
 
 def aggregate(objective: torch.Tensor, token_weight: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,15 @@
 """Trainer log-probs of recorded completion tokens, computed in chunks over tokens.
 
 Only completion positions are projected to the vocabulary, `chunk_tokens` at a time, so the
-largest fp32 tensor is [chunk_tokens, V], never [tokens, V] for the batch. Each token is scored
-under the support the engine sampled from (its structured-output mask or top-k/top-p set) at the
-recorded temperature: pi(a|h) = softmax(z/T) renormalized over that support. A forced token
-(one-token support) therefore gets log-prob exactly 0 and no gradient.
+largest fp32 tensor is [chunk_tokens, V], never [tokens, V] for the batch. From one log-softmax
+per chunk (at the recorded temperature) it gathers, per token:
+- `full_logprobs`: log pi(a|h) over the whole vocabulary (score centering's pi);
+- `logprobs`: log pi(a|h) renormalized over the support the engine sampled from (structured-output
+  mask or top-k/top-p set): what IS estimators compare with mu. A forced token (one-token support)
+  gets exactly 0 and no gradient;
+- `head_logprobs` [Ntok, K]: full-vocabulary log pi of the recorded top-K head of mu;
+- `extra_logprobs` [Ntok, M]: full-vocabulary log pi of the M extra tokens the engine sampled;
+- `entropy`: entropy of pi over the support.
 """
 
 from __future__ import annotations
@@ -26,6 +31,15 @@ class Sequences:
     token_ids: torch.Tensor  # [Ntok] the sampled ids
     temperature: torch.Tensor  # [Ntok]
     support: list[list[int] | None]  # per token: kept ids, None = whole vocabulary
+    deployment_logprobs: torch.Tensor  # [Ntok] log mu(a|h) as recorded
+    head_ids: torch.Tensor  # [Ntok, K] recorded head of mu, padded with 0
+    head_mask: torch.Tensor  # [Ntok, K] True where the head has an entry
+    head_deployment_logprobs: torch.Tensor  # [Ntok, K] log mu of the head, -inf where padded
+    extra_ids: torch.Tensor  # [Ntok, M] extra tokens sampled by the deployment (M may be 0)
+
+    @property
+    def free(self) -> torch.Tensor:  # [Ntok] bool: sampled, not forced
+        return torch.tensor([s is None or len(s) > 1 for s in self.support])
 
 
 def build_sequences(calls: list[dict], pad_id: int) -> Sequences:
@@ -33,18 +47,34 @@ def build_sequences(calls: list[dict], pad_id: int) -> Sequences:
     width = max(len(c["prompt_token_ids"]) + len(c["completion_token_ids"]) for c in calls)
     ids = torch.full((len(calls), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(calls), width), dtype=torch.long)
-    rows, pos, toks, temps, support = [], [], [], [], []
+    rows, pos, toks, temps, support, mu, heads, head_lps, extras = [], [], [], [], [], [], [], [], []
     for n, c in enumerate(calls):
         prompt, completion = c["prompt_token_ids"], c["completion_token_ids"]
         seq = list(prompt) + list(completion)
         ids[n, : len(seq)] = torch.tensor(seq)
         mask[n, : len(seq)] = 1
+        extra = c.get("extra_token_ids") or [[] for _ in completion]
         for t, tok in enumerate(completion):
             rows.append(n)
             pos.append(len(prompt) + t - 1)
             toks.append(tok)
             temps.append(c["sampling"]["temperature"])
             support.append(token_support(c, t))
+            mu.append(c["completion_logprobs"][t])
+            heads.append(c["topk_token_ids"][t])
+            head_lps.append(c["topk_logprobs"][t])
+            extras.append(extra[t])
+    k = max(len(h) for h in heads)
+    m = min(len(e) for e in extras)
+    if m != max(len(e) for e in extras):
+        raise ValueError("calls of one batch recorded different numbers of extra samples")
+    head_ids = torch.zeros((len(heads), k), dtype=torch.long)
+    head_mask = torch.zeros((len(heads), k), dtype=torch.bool)
+    head_mu = torch.full((len(heads), k), float("-inf"))
+    for i, (h, lp) in enumerate(zip(heads, head_lps, strict=True)):
+        head_ids[i, : len(h)] = torch.tensor(h)
+        head_mask[i, : len(h)] = True
+        head_mu[i, : len(h)] = torch.tensor(lp)
     return Sequences(
         ids,
         mask,
@@ -53,6 +83,11 @@ def build_sequences(calls: list[dict], pad_id: int) -> Sequences:
         torch.tensor(toks),
         torch.tensor(temps, dtype=torch.float32),
         support,
+        torch.tensor(mu, dtype=torch.float32),
+        head_ids,
+        head_mask,
+        head_mu,
+        torch.tensor(extras, dtype=torch.long).reshape(len(toks), m),
     )
 
 
@@ -65,28 +100,42 @@ def token_support(call: dict, t: int) -> list[int] | None:
     return list(head) if size <= len(head) else list(call["support_token_ids"][t])
 
 
-def token_logprobs(
-    model: PreTrainedModel, seqs: Sequences, chunk_tokens: int = 1024, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(a|h) of every completion token ([Ntok]), and optionally the entropy of pi over the
-    support ([Ntok]). Gradient flows when called outside `torch.no_grad()`."""
+@dataclass
+class TokenLogprobs:
+    logprobs: torch.Tensor  # [Ntok] log pi(a|h) over the recorded support
+    full_logprobs: torch.Tensor  # [Ntok] log pi(a|h) over the vocabulary
+    head_logprobs: torch.Tensor  # [Ntok, K] log pi of mu's recorded head (vocabulary)
+    extra_logprobs: torch.Tensor  # [Ntok, M] log pi of the deployment's extra samples (vocabulary)
+    entropy: torch.Tensor  # [Ntok] entropy of pi over the support (no gradient)
+
+
+def token_logprobs(model: PreTrainedModel, seqs: Sequences, chunk_tokens: int = 1024) -> TokenLogprobs:
+    """Gradient flows when called outside `torch.no_grad()`."""
     hidden = model.base_model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask).last_hidden_state
     h = hidden[seqs.token_row, seqs.token_pos]  # [Ntok, H]
     weight = model.get_output_embeddings().weight  # [V, H]
     vocab = weight.shape[0]
-    logps, ents = [], []
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "full", "head", "extra", "ent")}
     for start in range(0, h.shape[0], chunk_tokens):
-        end = min(start + chunk_tokens, h.shape[0])
-        logits = (h[start:end] @ weight.T) / seqs.temperature[start:end, None]  # [c, V]
-        keep = _support_mask(seqs.support[start:end], vocab)
-        if keep is not None:
-            logits = logits.masked_fill(~keep, float("-inf"))
-        logp = logits.log_softmax(-1)  # [c, V]
-        logps.append(logp.gather(1, seqs.token_ids[start:end, None]).squeeze(1))
-        if with_entropy:
-            p = logp.exp()
-            ents.append(-(p * logp.masked_fill(p == 0, 0.0)).sum(-1))
-    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+        sl = slice(start, min(start + chunk_tokens, h.shape[0]))
+        logp = ((h[sl] @ weight.T) / seqs.temperature[sl, None]).log_softmax(-1)  # [c, V]
+        full = logp.gather(1, seqs.token_ids[sl, None]).squeeze(1)  # [c]
+        keep = _support_mask(seqs.support[sl], vocab)  # [c, V] or None
+        if keep is None:
+            lp, kept = full, logp
+        else:
+            kept = logp.masked_fill(~keep, float("-inf"))
+            kept = kept - kept.logsumexp(-1, keepdim=True)  # renormalize over the support
+            lp = kept.gather(1, seqs.token_ids[sl, None]).squeeze(1)
+        with torch.no_grad():
+            p = kept.exp()
+            parts["ent"].append(-(p * kept.masked_fill(p == 0, 0.0)).sum(-1))
+        parts["lp"].append(lp)
+        parts["full"].append(full)
+        parts["head"].append(logp.gather(1, seqs.head_ids[sl]))
+        parts["extra"].append(logp.gather(1, seqs.extra_ids[sl]))
+    cat = {k: torch.cat(v) for k, v in parts.items()}
+    return TokenLogprobs(cat["lp"], cat["full"], cat["head"], cat["extra"], cat["ent"])
 
 
 def _support_mask(support: list[list[int] | None], vocab: int) -> torch.Tensor | None:  # [c, V]

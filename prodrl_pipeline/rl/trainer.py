@@ -1,27 +1,24 @@
 """One round of training: S Adam steps on minibatches of B recorded trajectories.
 
 The step reads top to bottom: load the minibatch's calls, log-probs in chunks, estimator,
-aggregate, backward (per microbatch), clip, step, log. pi_k is computed once per round with
-theta_k before the first step. Optimizer state comes in and goes out: the run is one long run.
+aggregate, backward (per microbatch of whole trajectories), clip, step, log. pi_k (and, for
+`ref_is`, the reference) is computed once per round before the first step. Optimizer state comes
+in and goes out: the run is one long run.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
-from prodrl_pipeline.rl.estimators import ESTIMATORS, TokenInputs, aggregate
+from prodrl_pipeline.rl.estimators import EstimatorConfig, TokenInputs, aggregate, objective
 from prodrl_pipeline.rl.logprobs import build_sequences, token_logprobs
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,10 +37,11 @@ class TrainerConfig:
     """Adam beta2."""
     grad_clip: float = 1.0
     """Max global grad norm (0 disables clipping)."""
-    estimator: Literal["reinforce"] = "reinforce"
-    """Per-token estimator, a key of rl.estimators.ESTIMATORS."""
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    """The per-token estimator and its parameters."""
     microbatch_calls: int = 64
-    """Calls per forward/backward pass (memory only: the gradient does not depend on it)."""
+    """About this many calls per forward/backward pass, whole trajectories only (memory only:
+    the gradient does not depend on it)."""
     logprob_chunk_tokens: int = 1024
     """Completion tokens projected to the vocabulary at once."""
     seed: int = 0
@@ -55,10 +53,6 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(
-                f"trainer.estimator {self.estimator!r} unknown; choose one of {sorted(ESTIMATORS)}"
-            )
 
 
 def make_optimizer(model: PreTrainedModel, cfg: TrainerConfig, state: dict | None) -> torch.optim.Adam:
@@ -71,25 +65,35 @@ def make_optimizer(model: PreTrainedModel, cfg: TrainerConfig, state: dict | Non
 
 
 def _microbatches(calls: list[dict], size: int) -> list[list[dict]]:
-    ordered = sorted(calls, key=lambda c: len(c["prompt_token_ids"]) + len(c["completion_token_ids"]))
-    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+    """Whole trajectories per microbatch (the trust region needs all of a trajectory's tokens)."""
+    by_traj: dict[str, list[dict]] = defaultdict(list)
+    for c in calls:
+        by_traj[c["trajectory_id"]].append(c)
+    out, current = [], []
+    for traj in by_traj.values():
+        if current and len(current) + len(traj) > size:
+            out.append(current)
+            current = []
+        current.extend(sorted(traj, key=lambda c: c["call_index"]))
+    return out + [current] if current else out
 
 
 @torch.no_grad()
-def round_start_logprobs(
+def policy_logprobs(
     model: PreTrainedModel, calls: list[dict], cfg: TrainerConfig, pad_id: int
 ) -> dict[str, torch.Tensor]:
-    """log pi_k of every completion token of the round, per call_id ([T] each)."""
+    """log pi of every completion token over its recorded support, per call_id ([T] each): pi_k
+    with theta_k before the first step, or the reference from the dequantized deployment."""
     out = {}
     for mb in _microbatches(calls, cfg.microbatch_calls):
-        lp, _ = token_logprobs(model, build_sequences(mb, pad_id), cfg.logprob_chunk_tokens)
+        lp = token_logprobs(model, build_sequences(mb, pad_id), cfg.logprob_chunk_tokens).logprobs
         for c, part in zip(mb, lp.split([len(c["completion_token_ids"]) for c in mb]), strict=True):
             out[c["call_id"]] = part
     return out
 
 
-def _mean_abs(x: torch.Tensor) -> float:
-    return float(x.abs().mean()) if x.numel() else math.nan
+def _mean(x: torch.Tensor) -> float:
+    return float(x.float().mean()) if x.numel() else math.nan
 
 
 def train_round(
@@ -100,10 +104,15 @@ def train_round(
     cfg: TrainerConfig,
     pad_id: int,
     first_step: int = 0,
+    round_start: dict[str, torch.Tensor] | None = None,
+    reference: dict[str, torch.Tensor] | None = None,
     progress: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """Run the round's steps in minibatch order; returns one metrics row per optimizer step."""
-    estimator = ESTIMATORS[cfg.estimator]
+    """Run the round's steps in minibatch order; returns one metrics row per optimizer step.
+    `round_start` (pi_k per call) is computed here if not given; `reference` is required by ref_is."""
+    est = cfg.estimator
+    if est.type == "ref_is" and reference is None:
+        raise ValueError("estimator ref_is needs reference log-probs from the dequantized deployment")
     by_traj: dict[str, list[dict]] = defaultdict(list)
     for c in calls:
         by_traj[c["trajectory_id"]].append(c)
@@ -114,56 +123,72 @@ def train_round(
         minibatches[a["minibatch"]].append(a)
 
     model.eval()  # Qwen3 has no dropout; eval keeps pi_k and pi numerically identical at step 0
-    pi_k = round_start_logprobs(
-        model, [c for a in advantages for c in by_traj[a["trajectory_id"]]], cfg, pad_id
-    )
+    if round_start is None:
+        trained = [c for a in advantages for c in by_traj[a["trajectory_id"]]]
+        round_start = policy_logprobs(model, trained, cfg, pad_id)
     rows = []
     for step, mb in enumerate(minibatches[k] for k in sorted(minibatches)):
         t0 = time.perf_counter()
         n_traj = len(mb)
         adv = {a["trajectory_id"]: a["advantage"] for a in mb}
         length = {t: sum(len(c["completion_token_ids"]) for c in by_traj[t]) for t in adv}
-        mb_calls = [c for t in adv for c in by_traj[t]]
         optimizer.zero_grad(set_to_none=True)
-        stats = defaultdict(list)
-        loss_total = 0.0
-        for micro in _microbatches(mb_calls, cfg.microbatch_calls):
+        stats: dict[str, list[torch.Tensor]] = defaultdict(list)
+        loss_total, dropped = 0.0, set()
+        for micro in _microbatches([c for t in adv for c in by_traj[t]], cfg.microbatch_calls):
             seqs = build_sequences(micro, pad_id)
-            logprobs, entropy = token_logprobs(model, seqs, cfg.logprob_chunk_tokens, with_entropy=True)
+            lp = token_logprobs(model, seqs, cfg.logprob_chunk_tokens)
             owner = [c["trajectory_id"] for c in micro for _ in c["completion_token_ids"]]
+            index = {t: i for i, t in enumerate(dict.fromkeys(owner))}
+            free = seqs.free
             x = TokenInputs(
-                logprobs=logprobs,
-                deployment_logprobs=torch.tensor([lp for c in micro for lp in c["completion_logprobs"]]),
-                round_start_logprobs=torch.cat([pi_k[c["call_id"]] for c in micro]),
+                logprobs=lp.logprobs,
+                deployment_logprobs=seqs.deployment_logprobs,
+                round_start_logprobs=torch.cat([round_start[c["call_id"]] for c in micro]),
                 advantages=torch.tensor([adv[t] for t in owner], dtype=torch.float32),
+                trajectory=torch.tensor([index[t] for t in owner]),
+                free=free,
+                full_logprobs=lp.full_logprobs,
+                head_logprobs=lp.head_logprobs,
+                head_deployment_logprobs=seqs.head_deployment_logprobs,
+                extra_logprobs=lp.extra_logprobs,
+                reference_logprobs=torch.cat([reference[c["call_id"]] for c in micro]) if reference else None,
             )
             weight = torch.tensor([1.0 / (n_traj * length[t]) for t in owner])
-            objective, _ = estimator(x)
-            loss = aggregate(objective, weight)
+            j, diag = objective(x, est)
+            loss = aggregate(j, weight)
             loss.backward()
             loss_total += loss.item()
-            free = torch.tensor([len(s) != 1 if s is not None else True for s in seqs.support])
-            lp = logprobs.detach()
-            stats["engine"].append((x.round_start_logprobs - x.deployment_logprobs)[free])
-            stats["stale"].append((lp - x.round_start_logprobs)[free])
-            stats["total"].append((lp - x.deployment_logprobs)[free])
-            stats["entropy"].append(entropy.detach()[free])
+            cur = lp.logprobs.detach()
+            stats["engine"].append((x.round_start_logprobs - x.deployment_logprobs)[free].abs())
+            stats["stale"].append((cur - x.round_start_logprobs)[free].abs())
+            stats["total"].append((cur - x.deployment_logprobs)[free].abs())
+            stats["entropy"].append(lp.entropy[free])
+            for key in ("clipped", "rho_truncated", "kl"):
+                if key in diag:
+                    stats[key].append(diag[key][free])
+            if "dropped" in diag:
+                dropped |= {t for t, d in zip(owner, diag["dropped"].tolist(), strict=True) if d}
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         optimizer.step()
         cat = {k: torch.cat(v) for k, v in stats.items()}
         row = {
             "step": first_step + step + 1,
-            "estimator": cfg.estimator,
+            "estimator": est.type,
             "n_trajectories": n_traj,
             "n_tokens": sum(length.values()),
             "reward_mean": sum(a["reward"] for a in mb) / n_traj,
             "loss": loss_total,
             "grad_norm": grad_norm,
-            "entropy": float(cat["entropy"].mean()) if cat["entropy"].numel() else math.nan,
-            "engine_mismatch": _mean_abs(cat["engine"]),
-            "staleness": _mean_abs(cat["stale"]),
-            "total_mismatch": _mean_abs(cat["total"]),
+            "entropy": _mean(cat["entropy"]),
+            "engine_mismatch": _mean(cat["engine"]),
+            "staleness": _mean(cat["stale"]),
+            "total_mismatch": _mean(cat["total"]),
+            "clip_fraction": _mean(cat["clipped"]) if "clipped" in cat else 0.0,
+            "rho_truncated_fraction": _mean(cat["rho_truncated"]) if "rho_truncated" in cat else 0.0,
+            "kl": _mean(cat["kl"]),
+            "dropped_trajectories": len(dropped),
             "seconds": time.perf_counter() - t0,
         }
         rows.append(row)

@@ -32,10 +32,9 @@ def test_trainer_logprobs_match_the_engines(tiny_model, tokenizer, train_puzzles
     for name, rollouts in (("none", exact), ("nvfp4", quant)):
         seqs = build_sequences(rollouts.calls, tokenizer.pad_token_id)
         with torch.no_grad():
-            trainer, _ = token_logprobs(tiny_model, seqs)
+            trainer = token_logprobs(tiny_model, seqs).logprobs
         engine = torch.tensor([lp for c in rollouts.calls for lp in c["completion_logprobs"]])
-        free = torch.tensor([s is None or len(s) > 1 for s in seqs.support])
-        gaps[name] = (trainer - engine)[free].abs()
+        gaps[name] = (trainer - engine)[seqs.free].abs()
     assert gaps["none"].max() < ENGINE_VS_TRAINER_ATOL
     print(
         f"engine vs trainer |dlogp| on sampled tokens: none max {gaps['none'].max():.2e}, "
@@ -81,7 +80,7 @@ def test_loss_is_the_documented_aggregation(tiny_model, recorded, tokenizer):
     with torch.no_grad():
         for t in recorded.trajectories:
             calls = [c for c in recorded.calls if c["trajectory_id"] == t["trajectory_id"]]
-            lp, _ = token_logprobs(tiny_model, build_sequences(calls, tokenizer.pad_token_id))
+            lp = token_logprobs(tiny_model, build_sequences(calls, tokenizer.pad_token_id)).logprobs
             expected -= by_traj[t["trajectory_id"]] * lp.sum().item() / t["n_completion_tokens"]
     expected /= len(recorded.trajectories)
     assert abs(rows[0]["loss"] - expected) < 1e-5
