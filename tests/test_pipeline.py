@@ -18,8 +18,8 @@ ASSETS = [base_model, trajectories, advantages, checkpoint, deployment, eval_rep
 ROUND = [trajectories, advantages, checkpoint, deployment, eval_report]
 
 
-def _resources(root):
-    lab = LabResource(
+def _resources(root, **lab_overrides):
+    settings = dict(
         hidden_size=32,
         num_layers=1,
         num_heads=2,
@@ -29,7 +29,7 @@ def _resources(root):
         batch_size=8,
         eval_puzzles=16,
     )
-    return {"store": StoreResource(root=str(root)), "lab": lab}
+    return {"store": StoreResource(root=str(root)), "lab": LabResource(**{**settings, **lab_overrides})}
 
 
 def test_definitions_load():
@@ -84,3 +84,84 @@ def test_two_rounds_end_to_end(tmp_path):
             run_config=recollect,
         ).success
         assert {t: tables.read(t).num_rows for t in counts} == counts
+
+
+ESTIMATOR_RUNS = {
+    "reinforce": {"type": "reinforce"},
+    "token-is": {"type": "token_is", "trust_region": True},
+    "tis-ppo": {"type": "tis_ppo", "kl_beta": 0.05},
+    "ref-is": {"type": "ref_is"},
+    "centering": {"type": "score_centering", "truncated_is": True},
+    "centering-samples": {"type": "score_centering", "centering": "samples"},
+}
+
+
+def test_each_estimator_runs_a_round_and_logs_its_diagnostics(tmp_path):
+    import json
+
+    resources = _resources(tmp_path, extra_samples=2)
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        instance.add_dynamic_partitions("rounds", [round_key(1)])
+        assert materialize(
+            ASSETS,
+            selection=[trajectories, advantages],
+            partition_key=round_key(1),
+            instance=instance,
+            resources=resources,
+        ).success
+        for experiment, estimator in ESTIMATOR_RUNS.items():
+            lab = _resources(tmp_path, extra_samples=2, experiment=experiment)["lab"]
+            run_config = {"ops": {"checkpoint": {"config": {"estimator": estimator}}}}
+            result = materialize(
+                ASSETS,
+                selection=[checkpoint, deployment, eval_report],
+                partition_key=round_key(1),
+                instance=instance,
+                resources={**resources, "lab": lab},
+                run_config=run_config,
+            )
+            assert result.success, experiment
+            meta = json.loads(
+                (tmp_path / "checkpoints" / experiment / round_key(1) / "prodrl.json").read_text()
+            )
+            assert meta["trainer"]["estimator"]["type"] == estimator["type"]
+    steps = [r for r in tables.read("train_steps", 1).to_pylist()]
+    assert {r["experiment"] for r in steps} == set(ESTIMATOR_RUNS)
+    for r in steps:
+        for key in (
+            "engine_mismatch",
+            "staleness",
+            "total_mismatch",
+            "clip_fraction",
+            "rho_truncated_fraction",
+            "kl",
+            "entropy",
+            "grad_norm",
+            "dropped_trajectories",
+        ):
+            assert r[key] is not None and r[key] == r[key], (r["experiment"], key)  # present, not NaN
+    assert tables.read("policy_logprobs", 1).num_rows > 0
+
+
+def test_an_invalid_estimator_fails_the_run_with_the_reason(tmp_path):
+    resources = _resources(tmp_path)
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        instance.add_dynamic_partitions("rounds", [round_key(1)])
+        run_config = {
+            "ops": {"checkpoint": {"config": {"estimator": {"type": "tis_ppo", "trust_region": True}}}}
+        }
+        result = materialize(
+            ASSETS,
+            selection=ROUND[:3],
+            partition_key=round_key(1),
+            instance=instance,
+            resources=resources,
+            run_config=run_config,
+            raise_on_error=False,
+        )
+        assert not result.success
+        failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+        assert "trust_region applies to type='token_is'" in str(failure.event_specific_data.error)

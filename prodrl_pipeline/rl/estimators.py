@@ -107,8 +107,8 @@ def token_is(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor, Diagno
         kl = mu * (mu.clamp_min(MASS_EPS).log() - pi.log()) + (1 - mu) * (torch.log1p(-mu) - torch.log1p(-pi))
         kl = torch.where(x.free, kl, torch.zeros_like(kl))
         n = int(x.trajectory.max()) + 1
-        total = torch.zeros(n).index_add(0, x.trajectory, kl)
-        count = torch.zeros(n).index_add(0, x.trajectory, x.free.float()).clamp_min(1.0)
+        total = kl.new_zeros(n).index_add(0, x.trajectory, kl)
+        count = kl.new_zeros(n).index_add(0, x.trajectory, x.free.to(kl.dtype)).clamp_min(1.0)
         dropped = (total / count > cfg.trust_region_delta)[x.trajectory]
         objective = torch.where(dropped, torch.zeros_like(objective), objective)
         diag["dropped"] = dropped

@@ -1,8 +1,10 @@
 import copy
 
+import pytest
 import torch
 
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
+from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.logprobs import build_sequences, token_logprobs
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
 from tests.rl.conftest import record
@@ -43,9 +45,15 @@ def test_trainer_logprobs_match_the_engines(tiny_model, tokenizer, train_puzzles
     assert gaps["nvfp4"].mean() > 10 * ENGINE_VS_TRAINER_ATOL  # quantization is a real mismatch
 
 
-def _grads_after_one_step(model, calls, adv, microbatch_calls):
+def _grads_after_one_step(model, calls, adv, microbatch_calls, estimator=None):
     model = copy.deepcopy(model)
-    cfg = TrainerConfig(steps=1, batch_size=len(adv), microbatch_calls=microbatch_calls, lr=1e-3)
+    cfg = TrainerConfig(
+        steps=1,
+        batch_size=len(adv),
+        microbatch_calls=microbatch_calls,
+        lr=1e-3,
+        estimator=estimator or EstimatorConfig(),
+    )
     opt = make_optimizer(model, cfg, None)
     captured = {}
     orig_step = opt.step
@@ -55,16 +63,32 @@ def _grads_after_one_step(model, calls, adv, microbatch_calls):
         return orig_step(*a, **k)
 
     opt.step = step
-    rows = train_round(model, opt, calls, adv, cfg, pad_id=0)
+    reference = None
+    if cfg.estimator.type == "ref_is":  # any fixed per-token log-probs stand in for the reference
+        reference = {c["call_id"]: torch.tensor(c["completion_logprobs"]) for c in calls}
+    rows = train_round(model, opt, calls, adv, cfg, pad_id=0, reference=reference)
     return captured, rows
 
 
-def test_microbatch_split_does_not_change_the_gradient(tiny_model, recorded):
+ALL_ESTIMATORS = [
+    EstimatorConfig(),
+    EstimatorConfig(type="token_is", trust_region=True),
+    EstimatorConfig(type="tis_ppo", kl_beta=0.1),
+    EstimatorConfig(type="ref_is"),
+    EstimatorConfig(type="score_centering"),
+    EstimatorConfig(type="score_centering", truncated_is=True),
+    EstimatorConfig(type="score_centering", centering="samples"),
+]
+
+
+@pytest.mark.parametrize(
+    "estimator", ALL_ESTIMATORS, ids=lambda e: f"{e.type}-{e.centering}-{e.truncated_is}"
+)
+def test_microbatch_split_does_not_change_the_gradient(tiny_model, recorded, estimator):
+    """1 x 8 microbatches equals 8 x 1 (here: all calls at once vs one trajectory at a time)."""
     adv = _advantages(recorded, batch_size=len(recorded.trajectories))
-    one, rows_one = _grads_after_one_step(
-        tiny_model, recorded.calls, adv, microbatch_calls=len(recorded.calls)
-    )
-    many, rows_many = _grads_after_one_step(tiny_model, recorded.calls, adv, microbatch_calls=1)
+    one, rows_one = _grads_after_one_step(tiny_model, recorded.calls, adv, len(recorded.calls), estimator)
+    many, rows_many = _grads_after_one_step(tiny_model, recorded.calls, adv, 1, estimator)
     assert one.keys() == many.keys() and one
     for name in one:
         torch.testing.assert_close(one[name], many[name], rtol=1e-5, atol=1e-7)
@@ -114,3 +138,41 @@ def test_first_step_has_no_staleness(tiny_model, recorded):
     rows = train_round(model, make_optimizer(model, cfg, None), recorded.calls, adv, cfg, pad_id=0)
     assert rows[1]["staleness"] > 0
     assert rows[0]["staleness"] == 0.0 and rows[0]["engine_mismatch"] < ENGINE_VS_TRAINER_ATOL
+
+
+def test_is_ratios_renormalize_over_a_top_k_or_top_p_support(tiny_model, tokenizer, heldout, tmp_path):
+    """Same weights in engine and trainer: every IS ratio pi/mu must be 1. A trainer comparing a
+    full-vocabulary pi with the processed (renormalized) mu sees log sum_S pi < 0 instead: the
+    log-mass bias."""
+    from prodrl_pipeline.engine.processing import SamplingParams
+    from prodrl_pipeline.engine.sampler import Request, TorchEngine
+    from prodrl_pipeline.envs.chat import render_ids
+    from prodrl_pipeline.envs.chess_env import ChessEpisode
+
+    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    for params in (SamplingParams(top_k=5, max_tokens=6), SamplingParams(top_p=0.5, max_tokens=6)):
+        prompts = [render_ids(tokenizer, ChessEpisode(p).messages) for p in heldout[:4]]
+        outs = engine.generate([Request(ids, params) for ids in prompts], seed=0)
+        calls = [
+            {
+                "prompt_token_ids": ids,
+                "completion_token_ids": o.token_ids,
+                "completion_logprobs": o.logprobs,
+                "topk_token_ids": o.topk_ids,
+                "topk_logprobs": o.topk_logprobs,
+                "support_size": o.support_size,
+                "support_token_ids": o.support_ids,
+                "vocab_size": engine.vocab_size,
+                "sampling": {"temperature": 1.0},
+            }
+            for ids, o in zip(prompts, outs, strict=True)
+        ]
+        seqs = build_sequences(calls, tokenizer.pad_token_id)
+        with torch.no_grad():
+            lp = token_logprobs(tiny_model, seqs)
+        restricted = torch.tensor([s is not None and len(s) > 1 for s in seqs.support])
+        assert restricted.sum() >= 10
+        renormalized = (lp.logprobs - seqs.deployment_logprobs)[restricted]
+        unrenormalized = (lp.full_logprobs - seqs.deployment_logprobs)[restricted]
+        assert renormalized.abs().max() < ENGINE_VS_TRAINER_ATOL
+        assert unrenormalized.mean() < -0.05  # the bias a missing renormalization would leave

@@ -1,0 +1,180 @@
+"""Estimators against independent references on a tiny vocabulary (V = 12, explicit distributions)."""
+
+import math
+
+import pytest
+import torch
+
+from prodrl_pipeline.rl.estimators import EstimatorConfig, TokenInputs, kl_penalty, objective
+
+V = 12
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    """Identities are checked tightly in float64; the estimators are dtype-agnostic."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _dist(seed: int, scale: float = 1.5) -> torch.Tensor:
+    return (
+        torch.randn(V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+    ).log_softmax(0)
+
+
+def _inputs(theta, a, log_mu, log_pik=None, head=None, adv=1.0):
+    """TokenInputs for tokens `a` under pi = softmax(theta) (full support), head H of mu."""
+    logpi = theta.log_softmax(0)
+    a = torch.as_tensor(a)
+    head = torch.arange(V) if head is None else torch.as_tensor(head)
+    n = len(a)
+    return TokenInputs(
+        logprobs=logpi[a],
+        deployment_logprobs=log_mu[a].detach(),
+        round_start_logprobs=(log_pik if log_pik is not None else logpi.detach())[a],
+        advantages=torch.full((n,), adv),
+        trajectory=torch.zeros(n, dtype=torch.long),
+        free=torch.ones(n, dtype=torch.bool),
+        full_logprobs=logpi[a],
+        head_logprobs=logpi[head].expand(n, -1),
+        head_deployment_logprobs=log_mu[head].detach().expand(n, -1),
+        extra_logprobs=torch.zeros(n, 0),
+    )
+
+
+def _grad(fn, theta):
+    theta = theta.detach().clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(fn(theta), theta)
+    return g
+
+
+def _objective_grad(theta, a, log_mu, cfg, head=None):
+    """d J(a) / d theta for one sampled token a."""
+    return _grad(lambda t: objective(_inputs(t, [a], log_mu, head=head), cfg)[0].sum(), theta)
+
+
+def _score(theta, a):
+    return _grad(lambda t: t.log_softmax(0)[a], theta)
+
+
+CENTERING = EstimatorConfig(type="score_centering")
+
+
+def test_score_centering_full_head_with_mu_equal_pi_is_reinforce():
+    theta = _dist(0)
+    log_mu = theta.log_softmax(0)
+    for a in range(V):
+        centered = _objective_grad(theta, a, log_mu, CENTERING)
+        plain = _objective_grad(theta, a, log_mu, EstimatorConfig())
+        torch.testing.assert_close(centered, plain, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "cfg", [CENTERING, EstimatorConfig(type="score_centering", truncated_is=True, is_cap=1.3)]
+)
+def test_expected_centered_score_under_mu_is_zero(cfg):
+    theta, log_mu = _dist(1), _dist(2)
+    expected = sum(log_mu[a].exp() * _objective_grad(theta, a, log_mu, cfg) for a in range(V))
+    assert expected.abs().max() < 1e-12
+    # and it is not zero without centering: the test can fail
+    plain = sum(log_mu[a].exp() * _score(theta, a) for a in range(V))
+    assert plain.abs().max() > 1e-2
+
+
+def test_tail_modelled_head_equals_exact_centering_when_the_tail_model_is_exact():
+    theta = _dist(3)
+    pi = theta.softmax(0)
+    head = torch.tensor([0, 3, 5, 7, 8])
+    tail = torch.tensor([i for i in range(V) if i not in head.tolist()])
+    mu = torch.zeros(V)
+    mu[head] = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.05])  # mass 0.8 in the head
+    mu[tail] = 0.2 * pi[tail] / pi[tail].sum()  # outside H, mu = alpha * pi exactly
+    log_mu = mu.log()
+    for a in range(V):
+        head_form = _objective_grad(theta, a, log_mu, CENTERING, head=head)
+        exact = _score(theta, a) - sum(mu[v] * _score(theta, v) for v in range(V))
+        torch.testing.assert_close(head_form, exact, rtol=0, atol=1e-12)
+
+
+def test_forced_token_contributes_nothing_to_score_centering():
+    theta = _dist(4)
+    log_mu = torch.full((V,), -math.inf)
+    log_mu[6] = 0.0  # mu puts all its mass on token 6: a forced token
+    g = _grad(lambda t: objective(_inputs(t, [6], log_mu, head=[6]), CENTERING)[0].sum(), theta)
+    assert g.abs().max() < 1e-12
+
+
+def test_sampled_kl_gradient_matches_exact_kl_gradient():
+    theta, log_mu, log_pik = _dist(5), _dist(6), _dist(7)
+
+    def per_token(a):
+        return _grad(lambda t: kl_penalty(_inputs(t, [a], log_mu, log_pik)).sum(), theta)
+
+    grads = torch.stack([per_token(a) for a in range(V)])  # [V, V]: gradient of each token's term
+    mu = log_mu.exp()
+    exact = _grad(lambda t: (t.softmax(0) * (t.log_softmax(0) - log_pik)).sum(), theta)  # grad KL(pi || pi_k)
+    torch.testing.assert_close(mu @ grads, exact, rtol=0, atol=1e-12)  # the identity, in expectation
+    n = 20_000
+    draws = torch.multinomial(mu, n, replacement=True, generator=torch.Generator().manual_seed(0))
+    mc = grads[draws].mean(0)
+    std = (mu[:, None] * (grads - mu @ grads) ** 2).sum(0).sqrt()
+    assert torch.all((mc - exact).abs() <= 5 * std / math.sqrt(n) + 1e-9)
+
+
+def test_tis_ppo_hand_computed_example_with_both_clip_sides_and_truncation():
+    cfg = EstimatorConfig(type="tis_ppo", is_cap=2.0, eps_low=0.2, eps_high=0.28)
+    # per token: log pi, log pi_k, log mu, A
+    lp = torch.log(torch.tensor([0.30, 0.10, 0.22, 0.30, 0.20])).requires_grad_(True)
+    lpk = torch.log(torch.tensor([0.20, 0.20, 0.20, 0.20, 0.20]))
+    lmu = torch.log(torch.tensor([0.05, 0.20, 0.40, 0.20, 0.25]))
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
+    x = TokenInputs(lp, lmu, lpk, adv, torch.zeros(5, dtype=torch.long), torch.ones(5, dtype=torch.bool))
+    j, diag = objective(x, cfg)
+    # rho = min(pi_k/mu, 2) = [2 (4, truncated), 1, 0.5, 1, 0.8]; r = pi/pi_k = [1.5, 0.5, 1.1, 1.5, 1.0]
+    # token 0: A>0, r>1.28 -> clipped: 2*1.28;  token 1: A<0, r<0.8 -> clipped: 1*(-0.8)
+    # token 2: inside: 0.5*1.1;  token 3: A<0, r>1.28 -> min picks unclipped: -1.5;  token 4: 0.8*1.0
+    torch.testing.assert_close(j, torch.tensor([2.56, -0.8, 0.55, -1.5, 0.8]))
+    assert diag["clipped"].tolist() == [True, True, False, False, False]
+    assert diag["rho_truncated"].tolist() == [True, False, False, False, False]
+    (g,) = torch.autograd.grad(j.sum(), lp)
+    # dJ/dlog pi = rho * r * A where unclipped, 0 where clipped
+    torch.testing.assert_close(g, torch.tensor([0.0, 0.0, 0.5 * 1.1, -1.5, 0.8]))
+
+
+def test_token_is_weight_and_sequence_trust_region():
+    lp = torch.log(torch.tensor([0.5, 0.5, 0.4, 0.9])).requires_grad_(True)
+    lmu = torch.log(torch.tensor([0.5, 0.25, 0.4, 0.3]))
+    traj = torch.tensor([0, 0, 1, 1])
+    x = TokenInputs(lp, lmu, lp.detach(), torch.ones(4), traj, torch.ones(4, dtype=torch.bool))
+    j, _ = objective(x, EstimatorConfig(type="token_is"))
+    (g,) = torch.autograd.grad(j.sum(), lp)
+    torch.testing.assert_close(g, torch.tensor([1.0, 2.0, 1.0, 3.0]))  # sg(pi/mu) * A
+    # mean Bernoulli-KL(mu(a), pi(a)) per trajectory, by hand
+    bkl = lambda m, p: m * math.log(m / p) + (1 - m) * math.log((1 - m) / (1 - p))  # noqa: E731
+    kl0 = (bkl(0.5, 0.5) + bkl(0.25, 0.5)) / 2
+    kl1 = (bkl(0.4, 0.4) + bkl(0.3, 0.9)) / 2
+    delta = (kl0 + kl1) / 2  # between the two: trajectory 1 is dropped, trajectory 0 kept
+    assert kl0 < delta < kl1
+    j, diag = objective(x, EstimatorConfig(type="token_is", trust_region=True, trust_region_delta=delta))
+    assert diag["dropped"].tolist() == [False, False, True, True]
+    assert torch.all(j[2:] == 0) and torch.all(j[:2] != 0)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"type": "ppo"}, "unknown"),
+        ({"is_cap": 0}, "is_cap"),
+        ({"eps_low": 1.0}, "eps_low"),
+        ({"kl_beta": -1}, "kl_beta"),
+        ({"trust_region": True}, "token_is"),
+        ({"truncated_is": True}, "score_centering"),
+        ({"type": "tis_ppo", "centering": "samples"}, "centering"),
+    ],
+)
+def test_invalid_configs_say_what_to_change(bad, match):
+    with pytest.raises(ValueError, match=match):
+        EstimatorConfig(**bad)
