@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DAGSTER_HOME ?= $(CURDIR)/.prodrl/dagster_home
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install demo test test-slow ui lint format clean data
+.PHONY: install demo test test-slow ui lint format clean data bench
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,10 @@ lint: install
 
 format: install
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
+
+bench: install  ## benchmarks that print ratios measured side by side (not tests)
+	$(BIN)/python -m bench.estimators
+	$(BIN)/python -m bench.logprob_memory
 
 data: install  ## regenerate the shipped puzzles and tokenizer (deterministic, ~2 minutes)
 	$(BIN)/python -m prodrl_pipeline.envs.lab_data data

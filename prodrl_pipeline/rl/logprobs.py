@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 
@@ -113,29 +114,56 @@ def token_logprobs(model: PreTrainedModel, seqs: Sequences, chunk_tokens: int = 
     """Gradient flows when called outside `torch.no_grad()`."""
     hidden = model.base_model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask).last_hidden_state
     h = hidden[seqs.token_row, seqs.token_pos]  # [Ntok, H]
-    weight = model.get_output_embeddings().weight  # [V, H]
+    return project_logprobs(h, model.get_output_embeddings().weight, seqs, chunk_tokens)
+
+
+def project_logprobs(
+    h: torch.Tensor, weight: torch.Tensor, seqs: Sequences, chunk_tokens: int
+) -> TokenLogprobs:
+    """From completion hidden states h [Ntok, H] and the output embedding [V, H]. With gradient,
+    each chunk is recomputed in the backward pass (activation checkpointing), so the backward pass
+    too holds one [chunk_tokens, V] tensor at a time instead of every chunk's log-softmax."""
     vocab = weight.shape[0]
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("lp", "full", "head", "extra", "ent")}
+    outs = []
     for start in range(0, h.shape[0], chunk_tokens):
         sl = slice(start, min(start + chunk_tokens, h.shape[0]))
-        logp = ((h[sl] @ weight.T) / seqs.temperature[sl, None]).log_softmax(-1)  # [c, V]
-        full = logp.gather(1, seqs.token_ids[sl, None]).squeeze(1)  # [c]
-        keep = _support_mask(seqs.support[sl], vocab)  # [c, V] or None
-        if keep is None:
-            lp, kept = full, logp
+        args = (
+            h[sl],
+            weight,
+            seqs.temperature[sl],
+            seqs.token_ids[sl],
+            seqs.head_ids[sl],
+            seqs.extra_ids[sl],
+            _support_mask(seqs.support[sl], vocab),
+        )
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
-            kept = logp.masked_fill(~keep, float("-inf"))
-            kept = kept - kept.logsumexp(-1, keepdim=True)  # renormalize over the support
-            lp = kept.gather(1, seqs.token_ids[sl, None]).squeeze(1)
-        with torch.no_grad():
-            p = kept.exp()
-            parts["ent"].append(-(p * kept.masked_fill(p == 0, 0.0)).sum(-1))
-        parts["lp"].append(lp)
-        parts["full"].append(full)
-        parts["head"].append(logp.gather(1, seqs.head_ids[sl]))
-        parts["extra"].append(logp.gather(1, seqs.extra_ids[sl]))
-    cat = {k: torch.cat(v) for k, v in parts.items()}
-    return TokenLogprobs(cat["lp"], cat["full"], cat["head"], cat["extra"], cat["ent"])
+            outs.append(_chunk_logprobs(*args))
+    return TokenLogprobs(*(torch.cat(parts) for parts in zip(*outs, strict=True)))
+
+
+def _chunk_logprobs(
+    h: torch.Tensor,  # [c, H]
+    weight: torch.Tensor,  # [V, H]
+    temperature: torch.Tensor,  # [c]
+    token_ids: torch.Tensor,  # [c]
+    head_ids: torch.Tensor,  # [c, K]
+    extra_ids: torch.Tensor,  # [c, M]
+    keep: torch.Tensor | None,  # [c, V] support mask, None = whole vocabulary
+) -> tuple[torch.Tensor, ...]:
+    logp = ((h @ weight.T) / temperature[:, None]).log_softmax(-1)  # [c, V]
+    full = logp.gather(1, token_ids[:, None]).squeeze(1)  # [c]
+    if keep is None:
+        lp, kept = full, logp
+    else:
+        kept = logp.masked_fill(~keep, float("-inf"))
+        kept = kept - kept.logsumexp(-1, keepdim=True)  # renormalize over the support
+        lp = kept.gather(1, token_ids[:, None]).squeeze(1)
+    with torch.no_grad():
+        p = kept.exp()
+        entropy = -(p * kept.masked_fill(p == 0, 0.0)).sum(-1)
+    return lp, full, logp.gather(1, head_ids), logp.gather(1, extra_ids), entropy
 
 
 def _support_mask(support: list[list[int] | None], vocab: int) -> torch.Tensor | None:  # [c, V]

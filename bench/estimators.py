@@ -1,0 +1,98 @@
+"""Step time of every estimator relative to `reinforce`, on the lab model, measured side by side.
+
+One minibatch of B recorded lab trajectories (recorded with M extra samples, K = 20 head); each
+estimator trains one step on it from the same weights, interleaved over several repeats; the
+median time of each is divided by reinforce's. Also: the engine's cost of recording M extra samples.
+Run: `make bench` (or `.venv/bin/python -m bench.estimators`). Goal: score centering (K = 20) <= 1.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.engine.sampler import TorchEngine
+from prodrl_pipeline.envs.chat import load_tokenizer
+from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
+from prodrl_pipeline.envs.rollout import play
+from prodrl_pipeline.model import TinyQwen3Config, build_model
+from prodrl_pipeline.rl.estimators import EstimatorConfig
+from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, policy_logprobs, train_round
+
+ESTIMATORS = {
+    "reinforce": EstimatorConfig(),
+    "token_is": EstimatorConfig(type="token_is"),
+    "token_is + trust region": EstimatorConfig(type="token_is", trust_region=True),
+    "tis_ppo": EstimatorConfig(type="tis_ppo"),
+    "tis_ppo + KL": EstimatorConfig(type="tis_ppo", kl_beta=0.05),
+    "ref_is": EstimatorConfig(type="ref_is"),
+    "score_centering (head, K=20)": EstimatorConfig(type="score_centering"),
+    "score_centering + truncated IS": EstimatorConfig(type="score_centering", truncated_is=True),
+    "score_centering (M samples)": EstimatorConfig(type="score_centering", centering="samples"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--extra-samples", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    tok = load_tokenizer("data/tokenizer")
+    model = build_model(TinyQwen3Config(), len(tok), tok.pad_token_id)
+    puzzles = list(iter_lab_puzzles("data", "train"))[: args.batch]
+
+    gen_times: dict[int, list[float]] = {0: [], args.extra_samples: []}
+    for _ in range(args.repeats):
+        for m in gen_times:
+            engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, extra_samples=m)
+            t0 = time.perf_counter()
+            rollouts = play(engine, tok, puzzles, SamplingParams(), deployment_id="d", round_=1, seed=0)
+            gen_times[m].append(time.perf_counter() - t0)
+    base = statistics.median(gen_times[0])
+    print(
+        f"engine, {args.batch} trajectories: M=0 {base:.3f} s; "
+        f"M={args.extra_samples} / M=0 = {statistics.median(gen_times[args.extra_samples]) / base:.3f}"
+    )
+
+    adv = [
+        {
+            "trajectory_id": t["trajectory_id"],
+            "minibatch": 0,
+            "reward": t["reward"],
+            "advantage": float(i % 3 - 1),
+        }
+        for i, t in enumerate(rollouts.trajectories)
+    ]
+    calls = rollouts.calls
+    times: dict[str, list[float]] = {name: [] for name in ESTIMATORS}
+    for _ in range(args.repeats):
+        for name, est in ESTIMATORS.items():
+            cfg = TrainerConfig(steps=1, batch_size=args.batch, estimator=est)
+            m = copy.deepcopy(model)
+            opt = make_optimizer(m, cfg, None)
+            round_start = policy_logprobs(m, calls, cfg, tok.pad_token_id)
+            reference = round_start if est.type == "ref_is" else None  # computed once per round, not per step
+            t0 = time.perf_counter()
+            train_round(
+                m, opt, calls, adv, cfg, tok.pad_token_id, round_start=round_start, reference=reference
+            )
+            times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["reinforce"])
+    print(
+        f"\ntrain step, B={args.batch} trajectories ({sum(len(c['completion_token_ids']) for c in calls)} "
+        f"completion tokens), median of {args.repeats}; reinforce = {base:.3f} s"
+    )
+    print(f"{'estimator':34s} step time / reinforce")
+    for name, ts in times.items():
+        print(f"{name:34s} {statistics.median(ts) / base:.3f}")
+
+
+if __name__ == "__main__":
+    main()

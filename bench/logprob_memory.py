@@ -1,0 +1,101 @@
+"""Peak memory of the trainer's chunked log-probs vs the naive full-vocabulary log-softmax.
+
+Each variant runs in a fresh process (so the peak-RSS high-water mark is its own): forward and
+backward of the sampled tokens' log-probs for N completion tokens at vocabulary V (>= 8k). Reported:
+peak RSS growth over the process's RSS after set-up, and chunked / naive. Goal: <= 0.30.
+Run: `make bench` (or `.venv/bin/python -m bench.logprob_memory`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import torch
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _run(variant: str, tokens: int, vocab: int, hidden: int, chunk: int) -> None:
+    from prodrl_pipeline.model import TinyQwen3Config, build_model
+    from prodrl_pipeline.rl.logprobs import build_sequences, project_logprobs
+
+    torch.manual_seed(0)
+    model = build_model(TinyQwen3Config(hidden_size=hidden), vocab, 0)
+    n_calls, length = 16, tokens // 16
+    g = torch.Generator().manual_seed(0)
+    calls = [
+        {
+            "prompt_token_ids": torch.randint(1, vocab, (32,), generator=g).tolist(),
+            "completion_token_ids": torch.randint(1, vocab, (length,), generator=g).tolist(),
+            "completion_logprobs": [-1.0] * length,
+            "topk_token_ids": [[1] * 20] * length,
+            "topk_logprobs": [[-1.0] * 20] * length,
+            "support_size": [vocab] * length,
+            "support_token_ids": [[]] * length,
+            "vocab_size": vocab,
+            "sampling": {"temperature": 1.0},
+        }
+        for _ in range(n_calls)
+    ]
+    seqs = build_sequences(calls, 0)
+    with torch.no_grad():  # the trunk is the same for both variants: measure the vocabulary part only
+        hidden = model.base_model(
+            input_ids=seqs.input_ids, attention_mask=seqs.attention_mask
+        ).last_hidden_state
+    h = hidden[seqs.token_row, seqs.token_pos].requires_grad_(True)  # [tokens, H]
+    weight = model.lm_head.weight
+    before = _rss_kb("VmRSS")
+    if variant == "naive":  # log_softmax over the full [tokens, V] logits, then gather
+        logp = (h @ weight.T).log_softmax(-1).gather(1, seqs.token_ids[:, None])
+    else:
+        logp = project_logprobs(h, weight, seqs, chunk).logprobs
+    logp.sum().backward()
+    print((_rss_kb("VmHWM") - before) / 1024)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--variant", choices=["naive", "chunked"])
+    args = parser.parse_args()
+    if args.variant:
+        return _run(args.variant, args.tokens, args.vocab, args.hidden, args.chunk)
+    peaks = {}
+    for variant in ("naive", "chunked"):
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.logprob_memory",
+            "--variant",
+            variant,
+            "--tokens",
+            str(args.tokens),
+            "--vocab",
+            str(args.vocab),
+            "--hidden",
+            str(args.hidden),
+            "--chunk",
+            str(args.chunk),
+        ]
+        peaks[variant] = float(
+            subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1]
+        )
+    print(f"log-probs of {args.tokens} tokens at V={args.vocab}, forward + backward, peak RSS growth:")
+    print(f"  naive [tokens, V] log_softmax: {peaks['naive']:.0f} MiB")
+    print(f"  chunked ({args.chunk} tokens, recomputed in backward): {peaks['chunked']:.0f} MiB")
+    print(f"  chunked / naive = {peaks['chunked'] / peaks['naive']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
