@@ -36,6 +36,10 @@ def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabRe
     for r in results:
         by_theme[next((t for t in r["themes"].split() if t.startswith("mateIn")), "other")].append(r)
     summary = round_summary(tables, lab.experiment)
+    steps = sorted(
+        (r for r in tables.read("train_steps").to_pylist() if r["experiment"] == lab.experiment),
+        key=lambda r: r["step"],
+    )
     rate = solve_rate(results)
     context.log.info(f"round {k}: held-out solve rate {rate:.3f} over {len(results)} puzzles")
     return MaterializeResult(
@@ -55,6 +59,15 @@ def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabRe
                 },
                 "round",
                 "reward per round",
+            ),
+            "mismatch_sawtooth": metadata.plot(
+                [r["step"] for r in steps],
+                {
+                    "|log pi - log pi_k| (staleness)": [r["staleness"] for r in steps],
+                    "|log pi_k - log mu| (engine)": [r["engine_mismatch"] for r in steps],
+                },
+                "optimizer step",
+                "mismatch over the run (staleness resets each round)",
             ),
         }
     )
