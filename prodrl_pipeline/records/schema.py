@@ -155,6 +155,19 @@ REJECTS = pa.schema(
     ]
 )
 
+# The gateway's append-only landing tables (production traffic): calls as served, and reward events.
+LANDING_CALLS = pa.schema([f for f in CALLS if f.name != "round"])
+LANDING_FEEDBACK = pa.schema(
+    [
+        ("feedback_id", pa.string()),
+        ("trajectory_id", pa.string()),
+        ("reward", pa.float64()),
+        ("comment", pa.string()),
+        ("overwrite", pa.bool_()),
+        ("received_at", TS),
+    ]
+)
+
 TABLES: dict[str, pa.Schema] = {
     "calls": CALLS,
     "trajectories": TRAJECTORIES,
@@ -165,4 +178,6 @@ TABLES: dict[str, pa.Schema] = {
     "deployments": DEPLOYMENTS,
     "eval_results": EVAL_RESULTS,
     "rejects": REJECTS,
+    "landing_calls": LANDING_CALLS,
+    "landing_feedback": LANDING_FEEDBACK,
 }

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pyarrow as pa
-from deltalake import CommitProperties, DeltaTable, QueryBuilder, write_deltalake
+from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 
 from prodrl_pipeline.records.schema import TABLES
 
@@ -39,8 +39,13 @@ class DeltaStore:
     def table(self, table: str, version: int | None = None) -> DeltaTable:
         return DeltaTable(self.uri(table), version=version)
 
-    def _commit(self, extra: Mapping[str, str] | None) -> CommitProperties:
-        return CommitProperties(custom_metadata={**self.commit_metadata, **(extra or {})})
+    def _commit(
+        self, extra: Mapping[str, str] | None, transaction: tuple[str, int] | None = None
+    ) -> CommitProperties:
+        txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
+        return CommitProperties(
+            custom_metadata={**self.commit_metadata, **(extra or {})}, app_transactions=txns
+        )
 
     def _conform(self, table: str, rows: pa.Table | Sequence[dict]) -> pa.Table:
         schema = TABLES[table]
@@ -74,23 +79,43 @@ class DeltaStore:
     def overwrite_round(self, table: str, rows: pa.Table | Sequence[dict], round_: int) -> int:
         return self.overwrite(table, rows, f"round = {int(round_)}")
 
-    def append(self, table: str, rows: pa.Table | Sequence[dict]) -> int:
-        data = self._conform(table, rows)
+    def append(
+        self, table: str, rows: pa.Table | Sequence[dict], transaction: tuple[str, int] | None = None
+    ) -> bool:
+        """Append rows. With `transaction` = (app_id, version) the commit is idempotent: it is
+        skipped (returns False) when the table already holds that app's version or a later one.
+        Delta rejects a concurrent duplicate itself but accepts a sequential one, hence the check."""
+        if transaction and self.transaction_version(table, transaction[0]) >= transaction[1]:
+            return False
         write_deltalake(
             self.uri(table),
-            data,
+            self._conform(table, rows),
             mode="append",
             partition_by=["round"] if table in PARTITIONED else None,
-            commit_properties=self._commit(None),
+            commit_properties=self._commit(None, transaction),
         )
-        return data.num_rows
+        return True
+
+    def transaction_version(self, table: str, app_id: str) -> int:
+        """The last version committed by `app_id` to `table`, -1 if none."""
+        if not self.exists(table):
+            return -1
+        version = self.table(table).transaction_version(app_id)
+        return -1 if version is None else version
 
     def read(self, table: str, round_: int | None = None, version: int | None = None) -> pa.Table:
-        """Rows of `table` (optionally one round, at a pinned version); empty if it doesn't exist."""
+        """Rows of `table` (optionally one round, at a pinned version); empty if it doesn't exist.
+        Read through DataFusion: pyarrow's dataset scan of a Delta table can abort the interpreter
+        at exit (its thread pool calling back into deltalake's Python filesystem)."""
         if not self.exists(table):
             return TABLES[table].empty_table()
-        filters = [("round", "=", int(round_))] if round_ is not None else None
-        return self.table(table, version).to_pyarrow_table(filters=filters).cast(TABLES[table])
+        where = f" WHERE round = {int(round_)}" if round_ is not None else ""
+        qb = QueryBuilder().register("t", self.table(table, version))
+        return (
+            pa.table(qb.execute(f"SELECT * FROM t{where}").read_all())
+            .select(TABLES[table].names)
+            .cast(TABLES[table])
+        )
 
     def query(self, sql: str, tables: Sequence[str]) -> pa.Table:
         """Run DataFusion SQL over the named tables (each registered under its own name)."""
