@@ -1,0 +1,97 @@
+"""`python -m prodrl_pipeline.gateway`: serve the live deployment (or a named one) and record.
+
+    python -m prodrl_pipeline.gateway --root .prodrl --port 8000
+API keys come from the environment: PRODRL_API_KEYS and PRODRL_FEEDBACK_KEYS (comma-separated;
+unset means no key is needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from prodrl_pipeline.engine.sampler import TorchEngine
+from prodrl_pipeline.envs.chat import load_tokenizer
+from prodrl_pipeline.gateway.app import GatewayConfig, create_app, expire_unscored
+from prodrl_pipeline.gateway.batcher import BatchingEngine
+from prodrl_pipeline.gateway.landing import LandingLog
+from prodrl_pipeline.gateway.sessions import SessionIndex
+from prodrl_pipeline.quant.nvfp4 import load_deployment
+from prodrl_pipeline.records.registry import lookup
+from prodrl_pipeline.records.store import DeltaStore
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    store = DeltaStore(Path(args.root) / "tables")
+    if args.deployment:
+        deployment = lookup(store, "deployments", "deployment_id", args.deployment)
+    elif (deployment := store.live_deployment()) is None:
+        raise SystemExit(
+            f"no live deployment under {args.root}: run `make demo` (or name one with --deployment)"
+        )
+    tokenizer = load_tokenizer(args.tokenizer)
+    model = load_deployment(deployment["path"])
+    engine = TorchEngine(
+        model, tokenizer.eos_token_id, tokenizer.pad_token_id, args.top_logprobs, args.extra_samples
+    )
+    keys = lambda name: tuple(k for k in os.environ.get(name, "").split(",") if k)  # noqa: E731
+    cfg = GatewayConfig(
+        deployment_id=deployment["deployment_id"],
+        serve_keys=keys("PRODRL_API_KEYS"),
+        feedback_keys=keys("PRODRL_FEEDBACK_KEYS"),
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.max_tokens,
+        record=not args.no_record,
+    )
+    sessions = SessionIndex(args.ttl)
+    landing = LandingLog(
+        store,
+        Path(args.spool or Path(args.root) / "spool"),
+        flush_records=args.flush_records,
+        flush_seconds=args.flush_seconds,
+        max_pending=args.max_pending,
+        fsync=args.fsync,
+    )
+    landing.tick = lambda: expire_unscored(landing, sessions)
+    batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
+    return create_app(cfg, batcher, tokenizer, landing, sessions, model.config.max_position_embeddings)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default=".prodrl", help="store root: tables/ (registry, landing) and spool/")
+    p.add_argument("--deployment", help="deployment id to serve (default: the live one)")
+    p.add_argument("--tokenizer", default="data/tokenizer")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--spool", help="spool folder (default: <root>/spool)")
+    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
+    p.add_argument("--max-body-bytes", type=int, default=1_000_000)
+    p.add_argument("--top-logprobs", type=int, default=20, help="K: head of mu recorded per position")
+    p.add_argument("--extra-samples", type=int, default=0, help="M extra samples recorded per position")
+    p.add_argument("--flush-records", type=int, default=256)
+    p.add_argument("--flush-seconds", type=float, default=1.0)
+    p.add_argument("--max-pending", type=int, default=10_000, help="above this many unflushed records: 503")
+    p.add_argument(
+        "--ttl", type=float, default=3600.0, help="seconds an unscored trajectory waits for a reward"
+    )
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--batch-wait-ms", type=float, default=5.0)
+    p.add_argument("--fsync", action="store_true", help="fsync every record (survives power loss, slower)")
+    p.add_argument("--no-record", action="store_true", help="serve without recording (benchmarks only)")
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvicorn.run(build_app(args), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

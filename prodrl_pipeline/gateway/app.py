@@ -1,0 +1,422 @@
+"""The capture gateway: an OpenAI-compatible server that records every call exactly as served.
+
+Endpoints: /v1/chat/completions (tools, `stream`), /v1/completions (text or token-id prompts),
+/v1/models, /v1/feedback (late reward), /healthz, /metrics. A trajectory is a session: the client
+names it with the `X-Prodrl-Trajectory-Id` header, `metadata.trajectory_id`, or `user` (first
+found); a call without one is a single-call trajectory. Every response carries the ids to send
+feedback for (`prodrl` field, `X-Prodrl-Trajectory-Id` / `X-Prodrl-Call-Id` headers). A call is in
+the landing spool before its response is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from transformers import PreTrainedTokenizerBase
+
+from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.engine.sampler import Completion
+from prodrl_pipeline.engine.sampler import Request as EngineRequest
+from prodrl_pipeline.envs.chat import parse_assistant_text
+from prodrl_pipeline.gateway.batcher import BatchingEngine
+from prodrl_pipeline.gateway.landing import LandingLog
+from prodrl_pipeline.gateway.protocol import ChatRequest, CompletionRequest, FeedbackRequest, SamplingFields
+from prodrl_pipeline.gateway.sessions import EXPIRED_TABLE, SessionIndex
+
+TRAJECTORY_HEADER, CALL_HEADER = "X-Prodrl-Trajectory-Id", "X-Prodrl-Call-Id"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """How the gateway serves and records."""
+
+    deployment_id: str
+    """The deployment served (recorded on every call; `model` in responses)."""
+    serve_keys: tuple[str, ...] = ()
+    """API keys accepted on the serving endpoints (empty: no key needed)."""
+    feedback_keys: tuple[str, ...] = ()
+    """API keys accepted on /v1/feedback (empty: no key needed)."""
+    max_body_bytes: int = 1_000_000
+    """Larger request bodies are refused with 413."""
+    default_max_tokens: int = 256
+    """Completion length when the request gives none."""
+    record: bool = True
+    """Record calls (off only for benchmarking the recording cost)."""
+
+
+@dataclass
+class Metrics:
+    counts: Counter = field(default_factory=Counter)
+
+    def render(self, gauges: dict[str, float]) -> str:
+        lines = [
+            f'prodrl_gateway_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.counts.items())
+        ]
+        lines += [f"prodrl_gateway_{k} {v}" for k, v in gauges.items()]
+        return "\n".join(lines) + "\n"
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def create_app(
+    cfg: GatewayConfig,
+    engine: BatchingEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    landing: LandingLog | None,
+    sessions: SessionIndex,
+    max_positions: int,
+) -> FastAPI:
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if landing:
+            landing.start()
+            sessions.load(landing.store)
+        yield
+        if landing:
+            landing.stop()
+        engine.close()
+
+    app = FastAPI(title="prodrl capture gateway", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > cfg.max_body_bytes:
+            metrics.counts["413"] += 1
+            return _error(413, f"request body over {cfg.max_body_bytes} bytes")
+        if length is None and request.method == "POST" and len(await request.body()) > cfg.max_body_bytes:
+            metrics.counts["413"] += 1
+            return _error(413, f"request body over {cfg.max_body_bytes} bytes")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.counts["422"] += 1
+        return _error(422, json.dumps(jsonable_errors(exc.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        metrics.counts[str(exc.status_code)] += 1
+        return _error(exc.status_code, str(exc.detail))
+
+    def key_check(keys: tuple[str, ...]):
+        def check(authorization: str | None = Header(None)) -> None:
+            if keys and (authorization or "").removeprefix("Bearer ").strip() not in keys:
+                raise HTTPException(401, "missing or wrong API key")
+
+        return check
+
+    serve_auth, feedback_auth = Depends(key_check(cfg.serve_keys)), Depends(key_check(cfg.feedback_keys))
+
+    def room() -> None:
+        if landing and not landing.has_room():
+            raise HTTPException(503, "recording backlog is full; retry later")
+
+    def trajectory_of(req: SamplingFields, header: str | None, call_id: str) -> str:
+        tid = header or (req.metadata or {}).get("trajectory_id") or req.user or call_id
+        if len(tid) > 256:
+            raise HTTPException(422, "trajectory id longer than 256 characters")
+        return tid
+
+    async def run(prompt_ids: list[int], req: SamplingFields) -> tuple[Completion, SamplingParams, int]:
+        max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
+        if len(prompt_ids) + max_tokens > max_positions:
+            raise HTTPException(
+                422,
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
+                f"exceeds the model's {max_positions} positions",
+            )
+        if any(not 0 <= t < engine.engine.vocab_size for t in prompt_ids):
+            raise HTTPException(422, f"prompt token ids must be in [0, {engine.engine.vocab_size})")
+        params = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_tokens=max_tokens,
+            seed=req.seed,
+        )
+        completion, seed = await asyncio.wrap_future(engine.submit(EngineRequest(prompt_ids, params)))
+        return completion, params, seed
+
+    def record(
+        call_id: str,
+        tid: str,
+        prompt_ids: list[int],
+        c: Completion,
+        params: SamplingParams,
+        seed: int,
+        messages: list[dict] | dict,
+    ) -> None:
+        index = sessions.next_call_index(tid)
+        if not (landing and cfg.record):
+            return
+        landing.append(
+            "call",
+            {
+                "call_id": call_id,
+                "trajectory_id": tid,
+                "call_index": index,
+                "deployment_id": cfg.deployment_id,
+                "prompt_token_ids": prompt_ids,
+                "completion_token_ids": c.token_ids,
+                "completion_logprobs": c.logprobs,
+                "topk_token_ids": c.topk_ids,
+                "topk_logprobs": c.topk_logprobs,
+                "support_size": c.support_size,
+                "support_token_ids": c.support_ids,
+                "extra_token_ids": c.extra_ids,
+                "vocab_size": engine.engine.vocab_size,
+                "sampling": {**asdict(params), "seed": seed},
+                "finish_reason": c.finish_reason,
+                "messages_json": json.dumps(messages),
+                "created_at": datetime.now(UTC),
+            },
+        )
+
+    def text_of(c: Completion) -> str:
+        ids = (
+            c.token_ids[:-1]
+            if c.finish_reason == "stop" and c.token_ids[-1] == tokenizer.eos_token_id
+            else c.token_ids
+        )
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    def logprobs_content(c: Completion, n: int) -> list[dict]:
+        tok = tokenizer.convert_ids_to_tokens
+        return [
+            {
+                "token": tok(t),
+                "logprob": lp,
+                "top_logprobs": [
+                    {"token": tok(i), "logprob": x} for i, x in zip(ids[:n], lps[:n], strict=True)
+                ],
+            }
+            for t, lp, ids, lps in zip(c.token_ids, c.logprobs, c.topk_ids, c.topk_logprobs, strict=True)
+        ]
+
+    def usage(prompt_ids: list[int], c: Completion) -> dict:
+        return {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(c.token_ids),
+            "total_tokens": len(prompt_ids) + len(c.token_ids),
+        }
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {
+            "status": "ok",
+            "deployment_id": cfg.deployment_id,
+            "pending_records": landing.pending if landing else 0,
+        }
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics_endpoint() -> str:
+        return metrics.render(
+            {
+                "pending_records": landing.pending if landing else 0,
+                "committed_records": landing.committed_records if landing else 0,
+                "trajectories": len(sessions),
+                "expired_trajectories": sessions.n_expired,
+            }
+        )
+
+    @app.get("/v1/models", dependencies=[serve_auth])
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": cfg.deployment_id, "object": "model", "owned_by": "prodrl"}],
+        }
+
+    @app.post("/v1/chat/completions", dependencies=[serve_auth])
+    async def chat(req: ChatRequest, x_prodrl_trajectory_id: str | None = Header(None)):
+        room()
+        call_id = uuid.uuid4().hex
+        tid = trajectory_of(req, x_prodrl_trajectory_id, call_id)
+        messages = [m.for_template() for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tools=req.tools, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # a template error is the request's fault
+            raise HTTPException(422, f"messages do not render with the chat template: {e}") from e
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        c, params, seed = await run(prompt_ids, req)
+        message = parse_assistant_text(text_of(c))
+        record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
+        metrics.counts["chat"] += 1
+        finish = (
+            "tool_calls" if message.get("tool_calls") else ("stop" if c.finish_reason == "stop" else "length")
+        )
+        ids = {
+            "trajectory_id": tid,
+            "call_id": call_id,
+            "prompt_token_ids": prompt_ids,
+            "token_ids": c.token_ids,
+        }
+        headers = {TRAJECTORY_HEADER: tid, CALL_HEADER: call_id}
+        logprobs = {"content": logprobs_content(c, req.top_logprobs or 0)} if req.logprobs else None
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(
+                stream_chat(call_id, created, c, message, finish, ids, logprobs),
+                media_type="text/event-stream",
+                headers=headers,
+            )
+        return JSONResponse(
+            {
+                "id": f"chatcmpl-{call_id}",
+                "object": "chat.completion",
+                "created": created,
+                "model": cfg.deployment_id,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
+                "usage": usage(prompt_ids, c),
+                "prodrl": ids,
+            },
+            headers=headers,
+        )
+
+    async def stream_chat(call_id, created, c, message, finish, ids, logprobs) -> AsyncIterator[str]:
+        def chunk(delta: dict, finish_reason: str | None = None, **extra) -> str:
+            body = {
+                "id": f"chatcmpl-{call_id}",
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": cfg.deployment_id,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+                **extra,
+            }
+            return f"data: {json.dumps(body)}\n\n"
+
+        yield chunk({"role": "assistant", "content": ""}, prodrl=ids)
+        if message.get("tool_calls"):
+            calls = [{**tc, "index": i} for i, tc in enumerate(message["tool_calls"])]
+            if message["content"]:
+                yield chunk({"content": message["content"]})
+            yield chunk({"tool_calls": calls})
+        else:
+            shown = ""
+            n = len(c.token_ids) - (
+                1 if finish == "stop" and c.token_ids[-1] == tokenizer.eos_token_id else 0
+            )
+            for i in range(1, n + 1):  # one chunk per token; the deltas concatenate to the full text
+                text = tokenizer.decode(c.token_ids[:i], skip_special_tokens=False)
+                if text.startswith(shown) and len(text) > len(shown):
+                    yield chunk({"content": text[len(shown) :]})
+                    shown = text
+            if shown != message["content"]:
+                yield chunk({"content": message["content"][len(shown) :]})
+        yield chunk({}, finish, **({"logprobs": logprobs} if logprobs else {}))
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions", dependencies=[serve_auth])
+    async def completions(req: CompletionRequest, x_prodrl_trajectory_id: str | None = Header(None)):
+        room()
+        if req.stream:
+            raise HTTPException(422, "stream is supported on /v1/chat/completions only")
+        call_id = uuid.uuid4().hex
+        tid = trajectory_of(req, x_prodrl_trajectory_id, call_id)
+        prompt_ids = (
+            list(req.prompt)
+            if isinstance(req.prompt, list)
+            else tokenizer.encode(req.prompt, add_special_tokens=False)
+        )
+        c, params, seed = await run(prompt_ids, req)
+        text = text_of(c)
+        record(call_id, tid, prompt_ids, c, params, seed, {"prompt": req.prompt, "completion": text})
+        metrics.counts["completion"] += 1
+        choice = {"index": 0, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
+        if req.logprobs is not None:
+            tok = tokenizer.convert_ids_to_tokens
+            choice["logprobs"] = {
+                "tokens": [tok(t) for t in c.token_ids],
+                "token_logprobs": c.logprobs,
+                "top_logprobs": [
+                    {tok(i): x for i, x in zip(ids[: req.logprobs], lps[: req.logprobs], strict=True)}
+                    for ids, lps in zip(c.topk_ids, c.topk_logprobs, strict=True)
+                ],
+            }
+        ids = {"trajectory_id": tid, "call_id": call_id}
+        if req.return_token_ids:
+            choice.update(prompt_token_ids=prompt_ids, token_ids=c.token_ids)
+        return JSONResponse(
+            {
+                "id": f"cmpl-{call_id}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": cfg.deployment_id,
+                "choices": [choice],
+                "usage": usage(prompt_ids, c),
+                "prodrl": ids,
+            },
+            headers={TRAJECTORY_HEADER: tid, CALL_HEADER: call_id},
+        )
+
+    @app.post("/v1/feedback", dependencies=[feedback_auth])
+    async def feedback(req: FeedbackRequest) -> dict:
+        room()
+        status = sessions.claim_reward(req.trajectory_id, req.overwrite)
+        if status == "unknown":
+            raise HTTPException(404, f"unknown trajectory {req.trajectory_id!r}")
+        if status == "expired":
+            raise HTTPException(
+                409, f"trajectory {req.trajectory_id!r} expired unscored (TTL {sessions.ttl:g} s)"
+            )
+        if status == "rewarded":
+            raise HTTPException(
+                409, f"trajectory {req.trajectory_id!r} already has a reward; send overwrite=true"
+            )
+        if landing:
+            landing.append(
+                "feedback",
+                {
+                    "feedback_id": uuid.uuid4().hex,
+                    "trajectory_id": req.trajectory_id,
+                    "reward": req.reward,
+                    "comment": req.comment,
+                    "overwrite": req.overwrite,
+                    "received_at": datetime.now(UTC),
+                },
+            )
+        metrics.counts["feedback"] += 1
+        return {"status": "recorded", "trajectory_id": req.trajectory_id}
+
+    return app
+
+
+def expire_unscored(landing: LandingLog | None, sessions: SessionIndex) -> int:
+    """Move trajectories unscored past the TTL to `rejects` (through the spool: exactly once)."""
+    expired = sessions.expire()
+    if landing:
+        now = datetime.now(UTC)
+        for tid in expired:
+            landing.append(
+                "reject",
+                {
+                    "table_name": EXPIRED_TABLE,
+                    "round": None,
+                    "record_id": tid,
+                    "reason": f"no reward within the TTL of {sessions.ttl:g} s",
+                    "record_json": "{}",
+                    "rejected_at": now,
+                },
+            )
+    return len(expired)
+
+
+def jsonable_errors(errors: list[dict]) -> list[dict]:
+    return [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in errors]

@@ -1,0 +1,191 @@
+"""The gateway's landing log: durable in a local spool before the client is answered, committed to
+Delta in batches, exactly once.
+
+Each record is appended (one JSON line) to the open spool segment `seg-<n>.jsonl` before the
+response is sent, so a crash, even SIGKILL, loses nothing a client saw answered. A flusher thread
+seals the open segment when it holds `flush_records` records or is `flush_seconds` old and commits
+every sealed segment as one append per table carrying the Delta app transaction (app_id, n); the
+segment file is deleted only after its commits. On start, segments left on disk are committed
+again: a commit that already landed is recognised by the table's transaction version and skipped,
+so replay is exactly once. When more than `max_pending` records wait for a commit, `has_room` is
+False and the server answers 503 instead of dropping records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+import pyarrow as pa
+
+from prodrl_pipeline.records.schema import TABLES
+from prodrl_pipeline.records.store import DeltaStore
+
+log = logging.getLogger(__name__)
+TABLE_OF = {"call": "landing_calls", "feedback": "landing_feedback", "reject": "rejects"}
+
+
+def _json_default(value: object) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"cannot serialize {type(value).__name__}")
+
+
+def _timestamps(table: str) -> list[str]:
+    return [f.name for f in TABLES[table] if pa.types.is_timestamp(f.type)]
+
+
+class LandingLog:
+    def __init__(
+        self,
+        store: DeltaStore,
+        spool_dir: str | Path,
+        app_id: str = "prodrl-gateway",
+        flush_records: int = 256,
+        flush_seconds: float = 1.0,
+        max_pending: int = 10_000,
+        fsync: bool = False,
+        tick: Callable[[], None] | None = None,
+    ):
+        if flush_records < 1 or flush_seconds <= 0 or max_pending < flush_records:
+            raise ValueError("need flush_records >= 1, flush_seconds > 0 and max_pending >= flush_records")
+        self.store, self.spool_dir, self.app_id = store, Path(spool_dir), app_id
+        self.flush_records, self.flush_seconds, self.max_pending = flush_records, flush_seconds, max_pending
+        self.fsync, self.tick = fsync, tick
+        self._cond = threading.Condition()
+        self._sealed: list[tuple[int, Path]] = []
+        self._file = None
+        self._seq = 0
+        self._open_count = 0
+        self._opened_at = 0.0
+        self._pending = 0
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self.committed_records = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Commit whatever a previous process left in the spool, then accept records."""
+        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        leftovers = sorted((int(p.stem.split("-")[1]), p) for p in self.spool_dir.glob("seg-*.jsonl"))
+        for seq, path in leftovers:
+            self._commit(seq, path)
+        last = max(
+            [s for s, _ in leftovers]
+            + [self.store.transaction_version(t, self.app_id) for t in TABLE_OF.values()]
+        )
+        with self._cond:
+            self._seq = last + 1
+            self._open()
+            self._running = True
+        self._thread = threading.Thread(target=self._loop, name="landing-flusher", daemon=True)
+        self._thread.start()
+        if leftovers:
+            log.info("replayed %d spool segments", len(leftovers))
+
+    def stop(self) -> None:
+        """Seal and commit everything; later appends fail."""
+        with self._cond:
+            if not self._running:
+                return
+            self._running = False
+            self._seal()
+            self._file.close()
+            Path(self._file.name).unlink()  # the fresh segment _seal opened holds nothing
+            self._cond.notify_all()
+        self._thread.join()
+        self._commit_sealed()
+
+    # -- writing -----------------------------------------------------------------------------
+    def has_room(self) -> bool:
+        return self._pending < self.max_pending
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def append(self, kind: str, record: dict) -> None:
+        """Make `record` durable (spool) and queue it for Delta. Returns once it is on disk."""
+        if kind not in TABLE_OF:
+            raise ValueError(f"unknown record kind {kind!r}")
+        line = json.dumps({"kind": kind, "record": record}, default=_json_default)
+        with self._cond:
+            if not self._running:
+                raise RuntimeError("landing log is stopped")
+            self._file.write(line + "\n")
+            self._file.flush()  # in the OS page cache: survives a killed process
+            if self.fsync:
+                os.fsync(self._file.fileno())  # survives a lost machine too
+            self._open_count += 1
+            self._pending += 1
+            if self._open_count >= self.flush_records:
+                self._cond.notify_all()
+
+    # -- flushing ----------------------------------------------------------------------------
+    def _open(self) -> None:
+        self._file = (self.spool_dir / f"seg-{self._seq:012d}.jsonl").open("a", encoding="utf-8")
+        self._open_count, self._opened_at = 0, time.monotonic()
+
+    def _seal(self) -> None:
+        if self._open_count == 0:
+            return
+        self._file.close()
+        self._sealed.append((self._seq, Path(self._file.name)))
+        self._seq += 1
+        self._open()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._running:
+                    return
+                self._cond.wait(timeout=self.flush_seconds / 4)
+                age = time.monotonic() - self._opened_at
+                if self._open_count >= self.flush_records or (self._open_count and age >= self.flush_seconds):
+                    self._seal()
+            try:
+                self._commit_sealed()
+                if self.tick:
+                    self.tick()
+            except Exception:  # keep the spool; the next pass (or restart) commits it
+                log.exception("landing commit failed; records stay in the spool")
+                time.sleep(self.flush_seconds)
+
+    def _commit_sealed(self) -> None:
+        while True:
+            with self._cond:
+                if not self._sealed:
+                    return
+                seq, path = self._sealed[0]
+            n = self._commit(seq, path)
+            with self._cond:
+                self._sealed.pop(0)
+                self._pending -= n
+
+    def _commit(self, seq: int, path: Path) -> int:
+        """Commit one segment, idempotently, then delete it. Returns its record count."""
+        by_table: dict[str, list[dict]] = defaultdict(list)
+        with path.open(encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # a torn last line: its request was never answered
+                    continue
+                by_table[TABLE_OF[entry["kind"]]].append(entry["record"])
+        for table, rows in by_table.items():
+            for field in _timestamps(table):
+                for row in rows:
+                    if isinstance(row.get(field), str):
+                        row[field] = datetime.fromisoformat(row[field])
+            self.store.append(table, rows, transaction=(self.app_id, seq))
+        path.unlink()
+        n = sum(len(r) for r in by_table.values())
+        self.committed_records += n
+        return n

@@ -1,0 +1,90 @@
+"""What the gateway knows about each trajectory (session): its calls so far, reward, expiry.
+
+Kept in memory, rebuilt on start from the landing tables (after the spool replay), so feedback can
+be answered 404 (unknown), 409 (already rewarded, or expired) without a table scan per request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from prodrl_pipeline.records.store import DeltaStore
+
+EXPIRED_TABLE = "landing_trajectories"  # `rejects.table_name` of trajectories expired unscored
+
+
+@dataclass
+class Session:
+    n_calls: int = 0
+    last_seen: float = 0.0
+    rewarded: bool = False
+    expired: bool = False
+
+
+class SessionIndex:
+    def __init__(self, ttl_seconds: float):
+        self.ttl = ttl_seconds
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def load(self, store: DeltaStore) -> None:
+        if store.exists("landing_calls"):
+            rows = store.query(
+                "SELECT trajectory_id, count(*) AS n, max(created_at) AS last "
+                "FROM landing_calls GROUP BY trajectory_id",
+                ["landing_calls"],
+            ).to_pylist()
+            for r in rows:
+                self._sessions[r["trajectory_id"]] = Session(r["n"], r["last"].timestamp())
+        if store.exists("landing_feedback"):
+            for r in store.query(
+                "SELECT DISTINCT trajectory_id FROM landing_feedback", ["landing_feedback"]
+            ).to_pylist():
+                self._sessions.setdefault(r["trajectory_id"], Session()).rewarded = True
+        if store.exists("rejects"):
+            sql = f"SELECT record_id FROM rejects WHERE table_name = '{EXPIRED_TABLE}'"
+            for r in store.query(sql, ["rejects"]).to_pylist():
+                self._sessions.setdefault(r["record_id"], Session()).expired = True
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def n_expired(self) -> int:
+        return sum(s.expired for s in self._sessions.values())
+
+    def next_call_index(self, trajectory_id: str) -> int:
+        with self._lock:
+            s = self._sessions.setdefault(trajectory_id, Session())
+            s.n_calls += 1
+            s.last_seen = time.time()
+            return s.n_calls - 1
+
+    def claim_reward(
+        self, trajectory_id: str, overwrite: bool
+    ) -> Literal["ok", "unknown", "expired", "rewarded"]:
+        """Atomically check that a reward may be recorded, and mark the trajectory rewarded."""
+        with self._lock:
+            s = self._sessions.get(trajectory_id)
+            if s is None or s.n_calls == 0:
+                return "unknown"
+            if s.expired:
+                return "expired"
+            if s.rewarded and not overwrite:
+                return "rewarded"
+            s.rewarded = True
+            return "ok"
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Trajectories unscored for longer than the TTL: marked expired and returned (once)."""
+        now = time.time() if now is None else now
+        out = []
+        with self._lock:
+            for tid, s in self._sessions.items():
+                if not s.rewarded and not s.expired and s.n_calls and now - s.last_seen > self.ttl:
+                    s.expired = True
+                    out.append(tid)
+        return out
