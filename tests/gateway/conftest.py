@@ -29,8 +29,15 @@ def make_root(root: Path, tokenizer) -> Path:
     model = build_model(TINY, len(tokenizer), tokenizer.pad_token_id)
     export_deployment(model, root / "deployments" / "base", "nvfp4")
     store = DeltaStore(root / "tables")
-    register_deployment(store, deployment_id="base", round_=0, checkpoint_id="base",
-                        path=str(root / "deployments" / "base"), quant_format="nvfp4", sampling_json="{}")
+    register_deployment(
+        store,
+        deployment_id="base",
+        round_=0,
+        checkpoint_id="base",
+        path=str(root / "deployments" / "base"),
+        quant_format="nvfp4",
+        sampling_json="{}",
+    )
     store.set_live("base")
     return root
 
@@ -45,11 +52,22 @@ class Gateway:
 
     def start(self, timeout: float = 60.0) -> "Gateway":
         env = {**os.environ, "PRODRL_API_KEYS": SERVE_KEY, "PRODRL_FEEDBACK_KEYS": FEEDBACK_KEY}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prodrl_pipeline.gateway", "--root", str(self.root), "--port", str(self.port),
-             "--flush-seconds", "0.2", "--max-tokens", "16", *self.args],
-            env=env, stdout=subprocess.DEVNULL, stderr=open(self.root / f"gateway-{self.port}.log", "a"),
-        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "prodrl_pipeline.gateway",
+            "--root",
+            str(self.root),
+            "--port",
+            str(self.port),
+            "--flush-seconds",
+            "0.2",
+            "--max-tokens",
+            "16",
+            *self.args,
+        ]
+        with (self.root / f"gateway-{self.port}.log").open("a") as log:  # the child keeps its own handle
+            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:  # readiness probe, not a sleep-as-synchronisation
             if self.proc.poll() is not None:

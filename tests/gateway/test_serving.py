@@ -34,20 +34,36 @@ def _text(tokenizer, call: dict) -> str:
 
 def test_chat_with_tools_over_three_turns_is_recorded_exactly(gateway, tokenizer):
     client, tid, tools = _client(gateway), "session-1", [MOVE_TOOL]
-    messages = [{"role": "system", "content": "Solve the chess puzzle with the move tool."},
-                {"role": "user", "content": "White to move. Legal moves: Qd8+ Re8+"}]
+    messages = [
+        {"role": "system", "content": "Solve the chess puzzle with the move tool."},
+        {"role": "user", "content": "White to move. Legal moves: Qd8+ Re8+"},
+    ]
     sent, received = [], []
     for turn in range(3):
         raw = client.chat.completions.with_raw_response.create(
-            model="base", messages=messages, tools=tools, max_tokens=12, extra_headers={"X-Prodrl-Trajectory-Id": tid})
+            model="base",
+            messages=messages,
+            tools=tools,
+            max_tokens=12,
+            extra_headers={"X-Prodrl-Trajectory-Id": tid},
+        )
         reply = raw.parse()
         assert raw.headers["X-Prodrl-Trajectory-Id"] == tid
         sent.append([dict(m) for m in messages])
         received.append(reply)
         messages += [
             {"role": "assistant", "content": reply.choices[0].message.content or ""},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": f"call_{turn}", "type": "function", "function": {"name": "move", "arguments": '{"move": "Qd8+"}'}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": f"call_{turn}",
+                        "type": "function",
+                        "function": {"name": "move", "arguments": '{"move": "Qd8+"}'},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": f"call_{turn}", "content": "Correct. Opponent played Kh7."},
         ]
     landed = _landed(gateway)
@@ -57,13 +73,16 @@ def test_chat_with_tools_over_three_turns_is_recorded_exactly(gateway, tokenizer
         assert call["call_id"] == reply.model_extra["prodrl"]["call_id"]
         assert call["prompt_token_ids"] == render_ids(tokenizer, msgs, tools=tools)
         assert _text(tokenizer, call) == reply.choices[0].message.content
-        assert call["deployment_id"] == "base" and len(call["topk_token_ids"]) == len(call["completion_token_ids"])
+        assert call["deployment_id"] == "base" and len(call["topk_token_ids"]) == len(
+            call["completion_token_ids"]
+        )
         assert json.loads(call["messages_json"])[: len(msgs)] == json.loads(json.dumps(msgs))
 
 
 def test_streaming_deltas_concatenate_to_the_recorded_completion(gateway, tokenizer):
     stream = _client(gateway).chat.completions.create(
-        model="base", messages=[{"role": "user", "content": "stream please"}], max_tokens=10, stream=True)
+        model="base", messages=[{"role": "user", "content": "stream please"}], max_tokens=10, stream=True
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     call_id = chunks[0].model_extra["prodrl"]["call_id"]
@@ -74,7 +93,12 @@ def test_streaming_deltas_concatenate_to_the_recorded_completion(gateway, tokeni
 def test_completions_with_token_id_prompts(gateway, tokenizer):
     prompt = render_ids(tokenizer, [{"role": "user", "content": "tokens in"}])
     reply = _client(gateway).completions.create(
-        model="base", prompt=prompt, max_tokens=8, logprobs=5, extra_body={"return_token_ids": True, "top_k": 7})
+        model="base",
+        prompt=prompt,
+        max_tokens=8,
+        logprobs=5,
+        extra_body={"return_token_ids": True, "top_k": 7},
+    )
     choice = reply.choices[0]
     call = _landed(gateway)[reply.model_extra["prodrl"]["call_id"]]
     assert call["prompt_token_ids"] == prompt
@@ -85,8 +109,9 @@ def test_completions_with_token_id_prompts(gateway, tokenizer):
 
 
 def test_feedback_flow_and_its_status_codes(gateway):
-    reply = _client(gateway).chat.completions.create(model="base", messages=[{"role": "user", "content": "x"}],
-                                                      max_tokens=4, user="traj-42")
+    reply = _client(gateway).chat.completions.create(
+        model="base", messages=[{"role": "user", "content": "x"}], max_tokens=4, user="traj-42"
+    )
     tid = reply.model_extra["prodrl"]["trajectory_id"]
     assert tid == "traj-42"
     post = lambda body, headers=FEEDBACK: httpx.post(f"{gateway.url}/v1/feedback", json=body, headers=headers)  # noqa: E731
@@ -94,24 +119,44 @@ def test_feedback_flow_and_its_status_codes(gateway):
     assert post({"trajectory_id": tid, "reward": 0.0}).status_code == 409
     assert post({"trajectory_id": tid, "reward": 0.5, "overwrite": True}).status_code == 200
     assert post({"trajectory_id": "nope", "reward": 1.0}).status_code == 404
-    assert post({"trajectory_id": tid, "reward": 1.0}, SERVE).status_code == 401  # serving key is not a feedback key
+    assert (
+        post({"trajectory_id": tid, "reward": 1.0}, SERVE).status_code == 401
+    )  # serving key is not a feedback key
     rows = DeltaStore(gateway.root / "tables")
     gateway.stop()
     feedback = rows.read("landing_feedback").to_pylist()
     assert [(f["reward"], f["overwrite"]) for f in feedback if f["trajectory_id"] == tid] in (
-        [(1.0, False), (0.5, True)], [(0.5, True), (1.0, False)])
+        [(1.0, False), (0.5, True)],
+        [(0.5, True), (1.0, False)],
+    )
 
 
 BAD = [
     ("no key", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, {}, 401),
-    ("wrong key", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
-     {"Authorization": "Bearer nope"}, 401),
-    ("oversized", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2_000_000}]}, SERVE, 413),
+    (
+        "wrong key",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}]},
+        {"Authorization": "Bearer nope"},
+        401,
+    ),
+    (
+        "oversized",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x" * 2_000_000}]},
+        SERVE,
+        413,
+    ),
     ("malformed json", "/v1/chat/completions", b"{not json", SERVE, 422),
     ("no messages", "/v1/chat/completions", {"messages": []}, SERVE, 422),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, SERVE, 422),
-    ("negative temperature", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, SERVE, 422),
+    (
+        "negative temperature",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
+        SERVE,
+        422,
+    ),
     ("n > 1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, SERVE, 422),
     ("top_p 0", "/v1/completions", {"prompt": "x", "top_p": 0}, SERVE, 422),
     ("id out of range", "/v1/completions", {"prompt": [1, 10**9]}, SERVE, 422),
@@ -125,7 +170,9 @@ BAD = [
 def test_bad_inputs_get_their_status_and_write_nothing(gateway):
     for name, path, body, headers, status in BAD:
         kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-        r = httpx.post(f"{gateway.url}{path}", headers={**headers, "content-type": "application/json"}, **kwargs)
+        r = httpx.post(
+            f"{gateway.url}{path}", headers={**headers, "content-type": "application/json"}, **kwargs
+        )
         assert r.status_code == status, (name, r.status_code, r.text[:200])
         assert "error" in r.json(), name
     metrics = httpx.get(f"{gateway.url}/metrics").text
@@ -152,8 +199,9 @@ def _wait_for(condition, timeout: float = 30.0) -> None:
 def test_unscored_trajectories_expire_into_rejects(tmp_path, tokenizer):
     gw = Gateway(make_root(tmp_path, tokenizer), "--ttl", "0.3").start()
     try:
-        reply = _client(gw).chat.completions.create(model="base", messages=[{"role": "user", "content": "x"}],
-                                                     max_tokens=2)
+        reply = _client(gw).chat.completions.create(
+            model="base", messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
         tid = reply.model_extra["prodrl"]["trajectory_id"]
         _wait_for(lambda: "prodrl_gateway_expired_trajectories 1" in httpx.get(f"{gw.url}/metrics").text)
         r = httpx.post(f"{gw.url}/v1/feedback", json={"trajectory_id": tid, "reward": 1.0}, headers=FEEDBACK)
@@ -171,7 +219,10 @@ def test_full_backlog_answers_503_and_loses_nothing(tmp_path, tokenizer):
     blocker.write_text("not a Delta table: commits fail until this file goes")
     try:
         body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
-        codes = [httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers=SERVE).status_code for _ in range(5)]
+        codes = [
+            httpx.post(f"{gw.url}/v1/chat/completions", json=body, headers=SERVE).status_code
+            for _ in range(5)
+        ]
         assert codes == [200, 200, 200, 503, 503]
         blocker.unlink()
         _wait_for(lambda: httpx.get(f"{gw.url}/healthz").json()["pending_records"] == 0)
