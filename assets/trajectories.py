@@ -1,13 +1,27 @@
-"""Round k's traffic: S*B scored trajectories from the live deployment (lab source)."""
+"""Round k's traffic: S*B scored trajectories served by the live deployment.
+
+Lab source: play puzzles against the live deployment. Production source: snapshot the gateway's
+landing tables, pinning their Delta versions in this partition's metadata.
+"""
 
 import random
 from collections import Counter
 
-from dagster import AssetExecutionContext, Config, MaterializeResult, asset
+from dagster import (
+    AssetExecutionContext,
+    AssetKey,
+    AssetRecordsFilter,
+    Config,
+    Failure,
+    MaterializeResult,
+    asset,
+)
 
 from assets.base_model import base_model
 from assets.partitions import round_number, rounds
 from prodrl_pipeline.envs.rollout import play
+from prodrl_pipeline.records.snapshot import snapshot_production
+from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.records.validate import split_valid
 from resources.lab import LabResource
 from resources.store import StoreResource
@@ -15,7 +29,8 @@ from resources.store import StoreResource
 
 class TrajectoriesConfig(Config):
     recollect: bool = False
-    """Collect again even if the round's trajectories are stored (they are immutable otherwise)."""
+    """Collect again even if the round's trajectories are stored (they are immutable otherwise).
+    A production round is re-read at the landing versions its first snapshot pinned."""
 
 
 @asset(partitions_def=rounds, deps=[base_model], group_name="round", kinds={"delta"})
@@ -32,9 +47,39 @@ def trajectories(
         return MaterializeResult(metadata=_summary(stored.to_pylist(), tables, reused=True))
     live = tables.live_deployment()
     if live is None:
-        raise RuntimeError("no live deployment: materialize base_model first")
-    cfg = lab.trainer()
-    n = cfg.steps * cfg.batch_size
+        raise Failure(description="no live deployment: materialize base_model first")
+    n = lab.steps * lab.batch_size
+    pinned: dict[str, int | str] = {}
+    if lab.source == "production":
+        previous = _pinned_snapshot(context) if config.recollect else None
+        deployment_id = previous["deployment_id"] if previous else live["deployment_id"]
+        snap = snapshot_production(tables, k, deployment_id, n, previous and previous["versions"])
+        if len(snap.trajectories) < n:
+            raise Failure(
+                description=f"round {k}: {len(snap.trajectories)} scored trajectories from "
+                f"{deployment_id} are available, the round needs S*B = {n}"
+            )
+        calls, trajs = snap.calls, snap.trajectories
+        pinned = {
+            **{f"{t}_version": v for t, v in snap.versions.items()},
+            "snapshot_deployment": deployment_id,
+        }
+    else:
+        calls, trajs = _collect_lab(context, lab, live, k, n)
+    calls, trajs, rejects = split_valid(calls, trajs)
+    tables.overwrite_round("calls", calls, k)
+    tables.overwrite_round("trajectories", trajs, k)
+    tables.overwrite("rejects", rejects, f"round = {k} AND table_name IN ('calls', 'trajectories')")
+    return MaterializeResult(
+        metadata={
+            **_summary(trajs, tables, reused=False, n_calls=len(calls), n_rejects=len(rejects)),
+            "source": lab.source,
+            **pinned,
+        }
+    )
+
+
+def _collect_lab(context: AssetExecutionContext, lab: LabResource, live: dict, k: int, n: int):
     pool = lab.puzzles("train")
     rng = random.Random(lab.seed * 1_000_003 + k)
     puzzles = rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
@@ -51,16 +96,24 @@ def trajectories(
         partial_credit=lab.partial_credit,
         progress=lambda done, total: context.log.info(f"round {k}: {done}/{total} trajectories"),
     )
-    calls, trajs, rejects = split_valid(rollouts.calls, rollouts.trajectories)
-    tables.overwrite_round("calls", calls, k)
-    tables.overwrite_round("trajectories", trajs, k)
-    tables.overwrite("rejects", rejects, f"round = {k} AND table_name IN ('calls', 'trajectories')")
-    return MaterializeResult(
-        metadata=_summary(trajs, tables, reused=False, n_calls=len(calls), n_rejects=len(rejects))
-    )
+    return rollouts.calls, rollouts.trajectories
 
 
-def _summary(trajs: list[dict], tables, reused: bool, **extra: int) -> dict:
+def _pinned_snapshot(context: AssetExecutionContext) -> dict | None:
+    """The deployment and landing versions this partition's last production snapshot read."""
+    records = context.instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=AssetKey("trajectories"), asset_partitions=[context.partition_key]),
+        limit=1,
+    ).records
+    meta = records[0].asset_materialization.metadata if records else {}
+    keys = ("landing_calls_version", "landing_feedback_version", "snapshot_deployment")
+    if not all(k in meta for k in keys):
+        return None
+    versions = {t: meta[f"{t}_version"].value for t in ("landing_calls", "landing_feedback")}
+    return {"deployment_id": meta["snapshot_deployment"].value, "versions": versions}
+
+
+def _summary(trajs: list[dict], tables: DeltaStore, reused: bool, **extra: int) -> dict:
     rewards = [t["reward"] for t in trajs]
     return {
         "trajectories": len(trajs),

@@ -51,6 +51,8 @@ class EstimatorSettings(Config):
 class LabResource(ConfigurableResource):
     """Everything a lab round needs besides storage. Defaults are the embedded CPU lab."""
 
+    source: Literal["lab", "production"] = "lab"
+    """Where a round's trajectories come from: the chess lab, or the capture gateway's landing tables."""
     experiment: str = "main"
     """Name of the run; checkpoints and deployments are versioned under it."""
     data_dir: str = "data"

@@ -1,0 +1,59 @@
+"""The production source of a round: a snapshot of the gateway's landing tables.
+
+The snapshot reads `landing_calls` and `landing_feedback` each at one pinned Delta version (the
+latest, or the versions a previous snapshot of the round pinned), so replaying a round reads
+exactly the same rows. It returns the round's calls and trajectory rows in the per-round schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+from deltalake import QueryBuilder
+
+from prodrl_pipeline.records.queries import SQL_DIR
+from prodrl_pipeline.records.store import SAFE_ID, DeltaStore
+
+LANDING = ("landing_calls", "landing_feedback")
+
+
+@dataclass
+class Snapshot:
+    calls: list[dict]
+    trajectories: list[dict]
+    versions: dict[str, int]  # landing table -> pinned Delta version
+
+
+def snapshot_production(
+    store: DeltaStore, round_: int, deployment_id: str, limit: int, versions: dict[str, int] | None = None
+) -> Snapshot:
+    """Up to `limit` scored trajectories served by `deployment_id`, as round `round_`'s rows."""
+    if not SAFE_ID.fullmatch(deployment_id):
+        raise ValueError(f"deployment id {deployment_id!r} must match {SAFE_ID.pattern}")
+    missing = [t for t in LANDING if not store.exists(t)]
+    if missing:
+        raise RuntimeError(
+            f"no production traffic yet: {missing} missing under {store.root} (is the gateway recording?)"
+        )
+    if not store.exists("trajectories"):
+        store.overwrite("trajectories", [], "round = 0")  # an empty table, so the SQL can exclude taken ids
+    versions = versions or {t: store.table(t).version() for t in LANDING}
+    qb = QueryBuilder()
+    for t in LANDING:
+        qb.register(t, store.table(t, versions[t]))
+    qb.register("trajectories", store.table("trajectories"))
+    sql = (
+        (SQL_DIR / "production_snapshot.sql")
+        .read_text()
+        .format(deployment_id=deployment_id, round=int(round_), limit=int(limit))
+    )
+    rows = pa.table(qb.execute(sql).read_all()).to_pylist()
+    chosen = {r["trajectory_id"] for r in rows}
+    calls = [
+        {**c, "round": round_}
+        for c in store.read("landing_calls", version=versions["landing_calls"]).to_pylist()
+        if c["trajectory_id"] in chosen
+    ]
+    trajectories = [{**r, "round": round_, "task_id": None, "source": "production"} for r in rows]
+    return Snapshot(calls, trajectories, versions)
