@@ -76,7 +76,7 @@ class LandingLog:
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         leftovers = sorted((int(p.stem.split("-")[1]), p) for p in self.spool_dir.glob("seg-*.jsonl"))
         for seq, path in leftovers:
-            self._commit(seq, path)
+            self._commit(seq, path, check=True)
         last = max(
             [s for s, _ in leftovers]
             + [self.store.transaction_version(t, self.app_id) for t in TABLE_OF.values()]
@@ -115,7 +115,7 @@ class LandingLog:
         """Make `record` durable (spool) and queue it for Delta. Returns once it is on disk."""
         if kind not in TABLE_OF:
             raise ValueError(f"unknown record kind {kind!r}")
-        line = json.dumps({"kind": kind, "record": record}, default=_json_default)
+        line = json.dumps({"kind": kind, "record": record}, default=_json_default, separators=(",", ":"))
         with self._cond:
             if not self._running:
                 raise RuntimeError("landing log is stopped")
@@ -169,8 +169,11 @@ class LandingLog:
                 self._sealed.pop(0)
                 self._pending -= n
 
-    def _commit(self, seq: int, path: Path) -> int:
-        """Commit one segment, idempotently, then delete it. Returns its record count."""
+    def _commit(self, seq: int, path: Path, check: bool = False) -> int:
+        """Commit one segment, then delete it; returns its record count. At replay (`check`) a
+        segment whose commit already landed is skipped: exactly once. After replay this process is
+        the app's only writer and numbers segments past every landed version, so it skips the
+        version lookup (a log read per table per commit)."""
         by_table: dict[str, list[dict]] = defaultdict(list)
         with path.open(encoding="utf-8") as fh:
             for line in fh:
@@ -184,7 +187,7 @@ class LandingLog:
                 for row in rows:
                     if isinstance(row.get(field), str):
                         row[field] = datetime.fromisoformat(row[field])
-            self.store.append(table, rows, transaction=(self.app_id, seq))
+            self.store.append(table, rows, transaction=(self.app_id, seq), check=check)
         path.unlink()
         n = sum(len(r) for r in by_table.values())
         self.committed_records += n

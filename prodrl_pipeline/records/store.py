@@ -80,12 +80,17 @@ class DeltaStore:
         return self.overwrite(table, rows, f"round = {int(round_)}")
 
     def append(
-        self, table: str, rows: pa.Table | Sequence[dict], transaction: tuple[str, int] | None = None
+        self,
+        table: str,
+        rows: pa.Table | Sequence[dict],
+        transaction: tuple[str, int] | None = None,
+        check: bool = True,
     ) -> bool:
-        """Append rows. With `transaction` = (app_id, version) the commit is idempotent: it is
-        skipped (returns False) when the table already holds that app's version or a later one.
-        Delta rejects a concurrent duplicate itself but accepts a sequential one, hence the check."""
-        if transaction and self.transaction_version(table, transaction[0]) >= transaction[1]:
+        """Append rows. With `transaction` = (app_id, version) the commit records that app version
+        and, with `check`, is skipped (returns False) when the table already holds it or a later
+        one: Delta rejects a concurrent duplicate itself but accepts a sequential one. A writer
+        that knows it is the app's only writer and is past its replay may skip the check."""
+        if transaction and check and self.transaction_version(table, transaction[0]) >= transaction[1]:
             return False
         write_deltalake(
             self.uri(table),
