@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DAGSTER_HOME ?= $(CURDIR)/.prodrl/dagster_home
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install demo test test-slow ui lint format clean data bench
+.PHONY: install demo test test-slow ui serve lint format clean data bench
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,9 @@ ui: install  ## Dagster UI + daemon on http://127.0.0.1:3000 over the demo's ins
 	mkdir -p $(DAGSTER_HOME)
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
+serve: install  ## the capture gateway on http://127.0.0.1:8000 serving the live deployment (run `make demo` first)
+	$(BIN)/python -m prodrl_pipeline.gateway --root .prodrl --port 8000
+
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
@@ -39,6 +42,7 @@ format: install
 bench: install  ## benchmarks that print ratios measured side by side (not tests)
 	$(BIN)/python -m bench.estimators
 	$(BIN)/python -m bench.logprob_memory
+	$(BIN)/python -m bench.gateway
 
 data: install  ## regenerate the shipped puzzles and tokenizer (deterministic, ~2 minutes)
 	$(BIN)/python -m prodrl_pipeline.envs.lab_data data

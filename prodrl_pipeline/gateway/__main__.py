@@ -14,8 +14,10 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
+from transformers import AutoConfig
 
 from prodrl_pipeline.engine.sampler import TorchEngine
+from prodrl_pipeline.engine.vllm import VLLMEngine
 from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.gateway.app import GatewayConfig, create_app, expire_unscored
 from prodrl_pipeline.gateway.batcher import BatchingEngine
@@ -35,10 +37,19 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             f"no live deployment under {args.root}: run `make demo` (or name one with --deployment)"
         )
     tokenizer = load_tokenizer(args.tokenizer)
-    model = load_deployment(deployment["path"])
-    engine = TorchEngine(
-        model, tokenizer.eos_token_id, tokenizer.pad_token_id, args.top_logprobs, args.extra_samples
-    )
+    config = AutoConfig.from_pretrained(deployment["path"])
+    if args.engine == "vllm":
+        engine = VLLMEngine(
+            args.vllm_url, args.vllm_model or deployment["path"], config.vocab_size, args.top_logprobs
+        )
+    else:
+        engine = TorchEngine(
+            load_deployment(deployment["path"]),
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            args.top_logprobs,
+            args.extra_samples,
+        )
     keys = lambda name: tuple(k for k in os.environ.get(name, "").split(",") if k)  # noqa: E731
     cfg = GatewayConfig(
         deployment_id=deployment["deployment_id"],
@@ -59,7 +70,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     )
     landing.tick = lambda: expire_unscored(landing, sessions)
     batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
-    return create_app(cfg, batcher, tokenizer, landing, sessions, model.config.max_position_embeddings)
+    return create_app(cfg, batcher, tokenizer, landing, sessions, config.max_position_embeddings)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -67,6 +78,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default=".prodrl", help="store root: tables/ (registry, landing) and spool/")
     p.add_argument("--deployment", help="deployment id to serve (default: the live one)")
     p.add_argument("--tokenizer", default="data/tokenizer")
+    p.add_argument(
+        "--engine",
+        choices=["embedded", "vllm"],
+        default="embedded",
+        help="embedded torch sampler (CPU default) or a vLLM server started for recording (GPU)",
+    )
+    p.add_argument("--vllm-url", default="http://127.0.0.1:8001", help="the vLLM server (--engine vllm)")
+    p.add_argument("--vllm-model", help="model name the vLLM server serves (default: the deployment path)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--spool", help="spool folder (default: <root>/spool)")
