@@ -5,10 +5,11 @@ from dataclasses import asdict
 
 from dagster import AssetExecutionContext, MaterializeResult, asset
 
-from prodrl_pipeline.evals.heldout import evaluate, solve_rate
+from assets.evaluation import evaluate_deployment
+from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.model import build_model, load_model, n_parameters
 from prodrl_pipeline.quant.nvfp4 import export_deployment
-from prodrl_pipeline.records.registry import BASE, register_checkpoint, register_deployment
+from prodrl_pipeline.records.registry import BASE, lookup, register_checkpoint, register_deployment
 from prodrl_pipeline.rl.checkpoint import META_FILE, save_checkpoint
 from resources.lab import LabResource
 from resources.store import StoreResource
@@ -54,9 +55,7 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
     )
     if tables.live_deployment() is None:
         tables.set_live(BASE)
-    heldout = list(lab.puzzles("heldout"))[: lab.eval_puzzles or None]
-    results = evaluate(lab.engine(deploy_path), tok, heldout, deployment_id=BASE, round_=0, seed=lab.seed)
-    tables.overwrite("eval_results", results, f"round = 0 AND deployment_id = '{BASE}'")
+    results = evaluate_deployment(tables, lab, lookup(tables, "deployments", "deployment_id", BASE), 0)
     context.log.info(
         f"base model: {n_parameters(model):,} parameters, held-out solve rate {solve_rate(results):.3f}"
     )

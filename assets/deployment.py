@@ -1,12 +1,15 @@
-"""mu_{k+1}: the round's checkpoint exported (NVFP4), registered and made live."""
+"""mu_{k+1}: the round's checkpoint exported (NVFP4), registered, gated, and made live."""
 
 import json
 from dataclasses import asdict
 
-from dagster import AssetExecutionContext, MaterializeResult, asset
+from dagster import AssetCheckResult, AssetCheckSpec, AssetExecutionContext, MaterializeResult, asset
 
 from assets.checkpoint import checkpoint
+from assets.evaluation import evaluate_deployment, stored_results
 from assets.partitions import round_number, rounds
+from prodrl_pipeline.evals.gate import deploy_gate
+from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.quant.nvfp4 import export_deployment, weight_error
 from prodrl_pipeline.records.registry import lookup, register_deployment, round_id
 from prodrl_pipeline.rl.checkpoint import load_checkpoint
@@ -14,9 +17,23 @@ from resources.lab import LabResource
 from resources.store import StoreResource
 
 
-@asset(partitions_def=rounds, deps=[checkpoint], group_name="round", kinds={"pytorch", "delta"})
+@asset(
+    partitions_def=rounds,
+    deps=[checkpoint],
+    group_name="round",
+    kinds={"pytorch", "delta"},
+    check_specs=[
+        AssetCheckSpec(
+            "deploy_gate",
+            asset="deployment",
+            blocking=True,
+            description="held-out solve rate not worse than live's beyond the margin",
+        )
+    ],
+)
 def deployment(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
-    """Quantize and register the round's checkpoint; moving the live pointer is the last act."""
+    """Quantize and register the round's checkpoint, evaluate it on the held-out puzzles, and make
+    it live only if the deploy gate passes; otherwise live stays and downstream assets are skipped."""
     k = round_number(context.partition_key)
     tables = store.tables(context.run.run_id, context.partition_key)
     ckpt = lookup(tables, "checkpoints", "checkpoint_id", round_id(lab.experiment, k))
@@ -33,17 +50,46 @@ def deployment(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         quant_format=lab.quant_format,
         sampling_json=json.dumps(asdict(lab.sampling())),
     )
-    previous = tables.live_deployment()
-    tables.set_live(dep_id)
-    context.log.info(f"round {k}: deployment {dep_id} is live (was {previous and previous['deployment_id']})")
+    candidate = evaluate_deployment(tables, lab, lookup(tables, "deployments", "deployment_id", dep_id), k)
+    live = tables.live_deployment()
+    live_rows = stored_results(tables, live["deployment_id"]) or evaluate_deployment(
+        tables, lab, live, live["round"]
+    )
+    gate = deploy_gate(
+        {r["puzzle_id"]: r["solved"] for r in candidate},
+        {r["puzzle_id"]: r["solved"] for r in live_rows},
+        lab.gate_margin,
+        lab.gate_confidence,
+    )
+    if gate.passed:
+        tables.set_live(dep_id)
+    context.log.info(f"round {k}: {gate.reason()}; live is {tables.live_deployment()['deployment_id']}")
     return MaterializeResult(
         metadata={
             "deployment_id": dep_id,
             "checkpoint_id": ckpt["checkpoint_id"],
             "path": str(path),
             "quant_format": lab.quant_format,
-            "previous_live": previous["deployment_id"] if previous else "",
+            "previous_live": live["deployment_id"],
+            "live_now": tables.live_deployment()["deployment_id"],
+            "heldout_solve_rate": solve_rate(candidate),
             "export_bytes": sum(f.stat().st_size for f in path.iterdir()),
             "weight_rel_error": weight_error(model, path),
-        }
+        },
+        check_results=[
+            AssetCheckResult(
+                check_name="deploy_gate",
+                passed=gate.passed,
+                description=gate.reason(),
+                metadata={
+                    "candidate_rate": gate.candidate_rate,
+                    "live_rate": gate.live_rate,
+                    "diff": gate.diff,
+                    "upper_bound": gate.upper_bound,
+                    "margin": gate.margin,
+                    "paired_puzzles": gate.n,
+                    "live_deployment": live["deployment_id"],
+                },
+            )
+        ],
     )

@@ -6,8 +6,9 @@ from dagster import AssetExecutionContext, MaterializeResult, asset
 
 from assets import metadata
 from assets.deployment import deployment
+from assets.evaluation import evaluate_deployment, stored_results
 from assets.partitions import round_number, rounds
-from prodrl_pipeline.evals.heldout import evaluate, solve_rate
+from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.records.queries import round_summary
 from prodrl_pipeline.records.registry import lookup, round_id
 from resources.lab import LabResource
@@ -18,20 +19,12 @@ SUMMARY_COLUMNS = ["round", "train_reward", "heldout_solve_rate", "engine_mismat
 
 @asset(partitions_def=rounds, deps=[deployment], group_name="round", kinds={"delta"})
 def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
-    """Greedy held-out solve rate of the round's deployment, stored per puzzle."""
+    """The round's held-out results (stored per puzzle by the deploy gate's evaluation), the
+    per-round table of the run, the reward curve and the mismatch sawtooth."""
     k = round_number(context.partition_key)
     tables = store.tables(context.run.run_id, context.partition_key)
     dep = lookup(tables, "deployments", "deployment_id", round_id(lab.experiment, k))
-    heldout = list(lab.puzzles("heldout"))[: lab.eval_puzzles or None]
-    results = evaluate(
-        lab.engine(dep["path"]),
-        lab.tokenizer(),
-        heldout,
-        deployment_id=dep["deployment_id"],
-        round_=k,
-        seed=lab.seed,
-    )
-    tables.overwrite("eval_results", results, f"round = {k} AND deployment_id = '{dep['deployment_id']}'")
+    results = stored_results(tables, dep["deployment_id"]) or evaluate_deployment(tables, lab, dep, k)
     by_theme = defaultdict(list)
     for r in results:
         by_theme[next((t for t in r["themes"].split() if t.startswith("mateIn")), "other")].append(r)

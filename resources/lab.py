@@ -79,6 +79,10 @@ class LabResource(ConfigurableResource):
     """Reward the fraction of player moves found instead of 0/1."""
     eval_puzzles: int = 0
     """Held-out puzzles evaluated per round (0 = all)."""
+    gate_margin: float = 0.02
+    """Deploy gate: a candidate may trail the live deployment's held-out solve rate by this much."""
+    gate_confidence: float = 0.95
+    """Deploy gate: confidence of the one-sided paired test that the drop exceeds the margin."""
     steps: int = 16
     """S: optimizer steps per round."""
     batch_size: int = 64

@@ -165,3 +165,32 @@ def test_an_invalid_estimator_fails_the_run_with_the_reason(tmp_path):
         assert not result.success
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         assert "trust_region applies to type='token_is'" in str(failure.event_specific_data.error)
+
+
+def test_a_failed_deploy_gate_keeps_the_live_pointer(tmp_path):
+    resources = _resources(tmp_path)
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        # crafted: the live deployment's stored evaluation solves every held-out puzzle
+        rows = [{**r, "solved": True, "reward": 1.0} for r in tables.read("eval_results", 0).to_pylist()]
+        tables.overwrite("eval_results", rows, "round = 0 AND deployment_id = 'base'")
+        instance.add_dynamic_partitions("rounds", [round_key(1)])
+        result = materialize(
+            ASSETS,
+            selection=ROUND,
+            partition_key=round_key(1),
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+        )
+        assert not result.success
+        checks = [e for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+        gate = checks[0].event_specific_data
+        assert gate.check_name == "deploy_gate" and not gate.passed and "FAILS" in gate.description
+        assert tables.live_deployment()["deployment_id"] == "base"  # live stays
+        assert "main-r000001" in tables.read("deployments").column("deployment_id").to_pylist()  # registered
+        materialized = {
+            e.asset_key.path[-1] for e in result.all_events if e.event_type_value == "ASSET_MATERIALIZATION"
+        }
+        assert "eval_report" not in materialized  # blocked downstream

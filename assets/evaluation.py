@@ -1,0 +1,29 @@
+"""Held-out evaluation of a registered deployment, stored in `eval_results` (shared by assets)."""
+
+from prodrl_pipeline.evals.heldout import evaluate
+from prodrl_pipeline.records.store import DeltaStore
+from resources.lab import LabResource
+
+
+def evaluate_deployment(tables: DeltaStore, lab: LabResource, deployment: dict, round_: int) -> list[dict]:
+    """Greedy solve of the held-out puzzles by `deployment`; replaces its rows for `round_`."""
+    heldout = list(lab.puzzles("heldout"))[: lab.eval_puzzles or None]
+    rows = evaluate(
+        lab.engine(deployment["path"]),
+        lab.tokenizer(),
+        heldout,
+        deployment_id=deployment["deployment_id"],
+        round_=round_,
+        seed=lab.seed,
+    )
+    tables.overwrite(
+        "eval_results", rows, f"round = {round_} AND deployment_id = '{deployment['deployment_id']}'"
+    )
+    return rows
+
+
+def stored_results(tables: DeltaStore, deployment_id: str) -> list[dict]:
+    """The latest stored evaluation of a deployment (empty if never evaluated)."""
+    rows = [r for r in tables.read("eval_results").to_pylist() if r["deployment_id"] == deployment_id]
+    last = max((r["round"] for r in rows), default=None)
+    return [r for r in rows if r["round"] == last]

@@ -1,0 +1,36 @@
+import math
+from statistics import NormalDist
+
+import pytest
+
+from prodrl_pipeline.evals.gate import deploy_gate
+
+
+def _rows(solved: list[int]) -> dict[str, bool]:
+    return {f"p{i}": bool(s) for i, s in enumerate(solved)}
+
+
+def test_hand_computed_paired_bound():
+    live = _rows([1] * 50 + [0] * 50)
+    cand = _rows([1] * 40 + [0] * 10 + [0] * 50)  # 10 regressions, no gains: d = -0.1
+    r = deploy_gate(cand, live, margin=0.02, confidence=0.95)
+    sd = math.sqrt((10 * (-1 + 0.1) ** 2 + 90 * 0.1**2) / 99)
+    assert r.diff == pytest.approx(-0.1)
+    assert r.upper_bound == pytest.approx(-0.1 + NormalDist().inv_cdf(0.95) * sd / 10)
+    assert not r.passed and "FAILS" in r.reason()
+
+
+def test_equal_or_noisy_candidates_pass():
+    live = _rows([1, 0] * 50)
+    assert deploy_gate(live, live).passed
+    noisy = _rows([1, 0] * 49 + [0, 0])  # one puzzle lost out of 100: not evidence of a regression
+    assert deploy_gate(noisy, live, margin=0.02).passed
+
+
+def test_only_shared_puzzles_count_and_bad_arguments():
+    r = deploy_gate({"a": True, "b": False}, {"a": True, "c": True})
+    assert r.n == 1
+    with pytest.raises(ValueError):
+        deploy_gate({"a": True}, {"b": True})
+    with pytest.raises(ValueError):
+        deploy_gate({"a": True}, {"a": True}, confidence=1.5)
