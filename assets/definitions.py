@@ -7,6 +7,7 @@ from dagster import Definitions
 from assets.advantages import advantages
 from assets.base_model import base_model
 from assets.checkpoint import checkpoint
+from assets.checks import CHECKS
 from assets.deployment import deployment
 from assets.eval_report import eval_report
 from assets.jobs import base_job, round_job
@@ -16,6 +17,7 @@ from resources.store import StoreResource
 
 defs = Definitions(
     assets=[base_model, trajectories, advantages, checkpoint, deployment, eval_report],
+    asset_checks=CHECKS,
     jobs=[base_job, round_job],
     resources={"store": StoreResource(), "lab": LabResource()},
 )

@@ -83,6 +83,11 @@ class LabResource(ConfigurableResource):
     """Deploy gate: a candidate may trail the live deployment's held-out solve rate by this much."""
     gate_confidence: float = 0.95
     """Deploy gate: confidence of the one-sided paired test that the drop exceeds the margin."""
+    mismatch_warn: float = 0.1
+    """Mismatch monitor: warn when a round's mean |log pi_k - log mu| exceeds this (nats); fail when it
+    also rose over the last 3 rounds (the early warning of collapse the recipe describes)."""
+    staleness_warn: float = 0.5
+    """Mismatch monitor: warn when a round's mean |log pi - log pi_k| exceeds this (nats)."""
     steps: int = 16
     """S: optimizer steps per round."""
     batch_size: int = 64

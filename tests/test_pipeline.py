@@ -5,6 +5,7 @@ from dagster import AssetKey, Definitions, instance_for_test, materialize
 from assets.advantages import advantages
 from assets.base_model import base_model
 from assets.checkpoint import checkpoint
+from assets.checks import CHECKS
 from assets.definitions import defs
 from assets.deployment import deployment
 from assets.eval_report import eval_report
@@ -14,7 +15,7 @@ from prodrl_pipeline.records.registry import lookup
 from resources.lab import LabResource
 from resources.store import StoreResource
 
-ASSETS = [base_model, trajectories, advantages, checkpoint, deployment, eval_report]
+ASSETS = [base_model, trajectories, advantages, checkpoint, deployment, eval_report, *CHECKS]
 ROUND = [trajectories, advantages, checkpoint, deployment, eval_report]
 
 
@@ -194,3 +195,67 @@ def test_a_failed_deploy_gate_keeps_the_live_pointer(tmp_path):
             e.asset_key.path[-1] for e in result.all_events if e.event_type_value == "ASSET_MATERIALIZATION"
         }
         assert "eval_report" not in materialized  # blocked downstream
+
+
+def test_asset_checks_pass_on_a_real_round_and_fail_on_crafted_bad_input(tmp_path):
+    from prodrl_pipeline.records import checks
+
+    resources = _resources(tmp_path)
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        instance.add_dynamic_partitions("rounds", [round_key(1)])
+        result = materialize(
+            ASSETS, selection=ROUND, partition_key=round_key(1), instance=instance, resources=resources
+        )
+        evaluations = [
+            e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        ]
+        assert {e.check_name for e in evaluations} >= {
+            "token_integrity",
+            "advantage_sanity",
+            "mismatch_monitor",
+        }
+        assert all(e.passed for e in evaluations), [e.check_name for e in evaluations if not e.passed]
+
+        # token integrity: a positive log-prob stored for round 1 fails it, through Dagster (the
+        # trajectories asset keeps stored rows, and its check re-reads them)
+        calls = tables.read("calls", 1).to_pylist()
+        calls[0]["completion_logprobs"] = [0.5] + calls[0]["completion_logprobs"][1:]
+        tables.overwrite_round("calls", calls, 1)
+        result = materialize(
+            ASSETS,
+            selection=[trajectories],
+            partition_key=round_key(1),
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+        )
+        (check,) = [
+            e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        ]
+        assert check.check_name == "token_integrity" and not check.passed
+
+    trajs = tables.read("trajectories", 1).to_pylist()
+    adv = tables.read("advantages", 1).to_pylist()
+    known = {t["trajectory_id"] for t in trajs}
+    assert checks.advantage_sanity(adv, known)[0]
+    assert not checks.advantage_sanity([{**adv[0], "advantage": float("nan")}, *adv[1:]], known)[0]
+    assert not checks.advantage_sanity([{**adv[0], "advantage": adv[0]["advantage"] + 0.5}, *adv[1:]], known)[
+        0
+    ]
+    assert not checks.advantage_sanity(adv + adv[:1], known)[0]
+
+    steps = tables.read("train_steps", 1).to_pylist()
+    rising = [
+        {**r, "round": k, "engine_mismatch": m}
+        for k, m in ((1, 0.05), (2, 0.1), (3, 0.2), (4, 0.4))
+        for r in steps
+    ]
+    passed, sustained, _ = checks.mismatch_monitor(rising, 4, mismatch_warn=0.15, staleness_warn=10)
+    assert not passed and sustained
+    passed, sustained, _ = checks.mismatch_monitor(rising, 2, mismatch_warn=0.15, staleness_warn=10)
+    assert passed and not sustained
+    spike = [{**r, "round": 1, "engine_mismatch": 0.3} for r in steps]
+    passed, sustained, _ = checks.mismatch_monitor(spike, 1, mismatch_warn=0.15, staleness_warn=10)
+    assert not passed and not sustained  # above the threshold: a warning, not yet a sustained rise
