@@ -186,8 +186,10 @@ def test_a_failed_deploy_gate_keeps_the_live_pointer(tmp_path):
             raise_on_error=False,
         )
         assert not result.success
-        checks = [e for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
-        gate = checks[0].event_specific_data
+        checks = [
+            e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        ]
+        (gate,) = [c for c in checks if c.check_name == "deploy_gate"]
         assert gate.check_name == "deploy_gate" and not gate.passed and "FAILS" in gate.description
         assert tables.live_deployment()["deployment_id"] == "base"  # live stays
         assert "main-r000001" in tables.read("deployments").column("deployment_id").to_pylist()  # registered
