@@ -11,6 +11,7 @@ from assets.checks import CHECKS
 from assets.deployment import deployment
 from assets.eval_report import eval_report
 from assets.jobs import base_job, round_job
+from assets.sensors import round_sensor
 from assets.trajectories import trajectories
 from resources.lab import LabResource
 from resources.store import StoreResource
@@ -19,5 +20,6 @@ defs = Definitions(
     assets=[base_model, trajectories, advantages, checkpoint, deployment, eval_report],
     asset_checks=CHECKS,
     jobs=[base_job, round_job],
+    sensors=[round_sensor],
     resources={"store": StoreResource(), "lab": LabResource()},
 )

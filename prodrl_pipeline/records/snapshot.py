@@ -25,30 +25,50 @@ class Snapshot:
     versions: dict[str, int]  # landing table -> pinned Delta version
 
 
-def snapshot_production(
-    store: DeltaStore, round_: int, deployment_id: str, limit: int, versions: dict[str, int] | None = None
-) -> Snapshot:
-    """Up to `limit` scored trajectories served by `deployment_id`, as round `round_`'s rows."""
+def _snapshot_query(store: DeltaStore, round_: int, deployment_id: str, limit: int) -> str:
     if not SAFE_ID.fullmatch(deployment_id):
         raise ValueError(f"deployment id {deployment_id!r} must match {SAFE_ID.pattern}")
-    missing = [t for t in LANDING if not store.exists(t)]
-    if missing:
-        raise RuntimeError(
-            f"no production traffic yet: {missing} missing under {store.root} (is the gateway recording?)"
-        )
     if not store.exists("trajectories"):
         store.overwrite("trajectories", [], "round = 0")  # an empty table, so the SQL can exclude taken ids
-    versions = versions or {t: store.table(t).version() for t in LANDING}
-    qb = QueryBuilder()
-    for t in LANDING:
-        qb.register(t, store.table(t, versions[t]))
-    qb.register("trajectories", store.table("trajectories"))
-    sql = (
+    return (
         (SQL_DIR / "production_snapshot.sql")
         .read_text()
         .format(deployment_id=deployment_id, round=int(round_), limit=int(limit))
     )
-    rows = pa.table(qb.execute(sql).read_all()).to_pylist()
+
+
+def _run(store: DeltaStore, sql: str, versions: dict[str, int]) -> pa.Table:
+    qb = QueryBuilder()
+    for t in LANDING:
+        qb.register(t, store.table(t, versions[t]))
+    qb.register("trajectories", store.table("trajectories"))
+    return pa.table(qb.execute(sql).read_all())
+
+
+def count_available(
+    store: DeltaStore, round_: int, deployment_id: str, limit: int
+) -> tuple[int, dict[str, int]]:
+    """How many trajectories (capped at `limit`) a production round could take now, and the landing
+    versions counted: a version-bounded query over the landing tables' id, deployment and reward
+    columns, cheap enough for a sensor tick. (0, {}) before any traffic has landed."""
+    if not all(store.exists(t) for t in LANDING):
+        return 0, {}
+    versions = {t: store.table(t).version() for t in LANDING}
+    sql = f"SELECT count(*) AS n FROM ({_snapshot_query(store, round_, deployment_id, limit)}) s"
+    return _run(store, sql, versions).column("n")[0].as_py(), versions
+
+
+def snapshot_production(
+    store: DeltaStore, round_: int, deployment_id: str, limit: int, versions: dict[str, int] | None = None
+) -> Snapshot:
+    """Up to `limit` scored trajectories served by `deployment_id`, as round `round_`'s rows."""
+    missing = [t for t in LANDING if not store.exists(t)]
+    if missing:
+        raise RuntimeError(
+            f"no production traffic yet: {missing} missing under {store.root}; is the gateway recording?"
+        )
+    versions = versions or {t: store.table(t).version() for t in LANDING}
+    rows = _run(store, _snapshot_query(store, round_, deployment_id, limit), versions).to_pylist()
     chosen = {r["trajectory_id"] for r in rows}
     calls = [
         {**c, "round": round_}

@@ -1,0 +1,63 @@
+"""The round sensor on a real Dagster instance, over real landing tables."""
+
+from datetime import UTC, datetime
+
+from dagster import DagsterInstance, build_sensor_context, instance_for_test, materialize
+
+from assets.base_model import base_model
+from assets.sensors import round_sensor
+from tests.test_pipeline import _resources
+
+NOW = datetime(2026, 11, 30, tzinfo=UTC)
+
+
+def _call(tid: str, deployment: str = "base") -> dict:
+    return {"call_id": f"{tid}-c", "trajectory_id": tid, "call_index": 0, "deployment_id": deployment,
+            "prompt_token_ids": [1, 2], "completion_token_ids": [3], "completion_logprobs": [-0.5],
+            "topk_token_ids": [[3]], "topk_logprobs": [[-0.5]], "support_size": [50], "support_token_ids": [[]],
+            "extra_token_ids": [[]], "vocab_size": 50,
+            "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 4, "seed": 0},
+            "finish_reason": "length", "messages_json": "[]", "created_at": NOW}
+
+
+def _feedback(tid: str) -> dict:
+    return {"feedback_id": f"{tid}-f", "trajectory_id": tid, "reward": 1.0, "comment": None, "overwrite": False,
+            "received_at": NOW}
+
+
+def _tick(instance: DagsterInstance, resources: dict, cursor: str | None):
+    with build_sensor_context(instance=instance, cursor=cursor, resources=resources) as ctx:
+        return round_sensor(ctx), ctx.cursor
+
+
+def test_sensor_fires_once_per_threshold_crossing_and_never_for_unscored_traffic(tmp_path):
+    resources = _resources(tmp_path, source="production", steps=2, batch_size=4)  # S*B = 8
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        result, cursor = _tick(instance, resources, None)
+        assert not getattr(result, "run_requests", None)  # no traffic yet
+
+        tables.append("landing_calls", [_call(f"t{i}") for i in range(20)])  # 20 calls, none scored
+        tables.append("landing_calls", [_call(f"o{i}", deployment="other") for i in range(8)])
+        tables.append("landing_feedback", [_feedback(f"o{i}") for i in range(8)])  # scored, other deployment
+        result, cursor = _tick(instance, resources, cursor)
+        assert not result.run_requests and "0/8" in result.skip_reason.skip_message
+
+        tables.append("landing_feedback", [_feedback(f"t{i}") for i in range(7)])
+        result, cursor = _tick(instance, resources, cursor)
+        assert not result.run_requests and "7/8" in result.skip_reason.skip_message
+
+        again, _ = _tick(instance, resources, cursor)  # nothing landed since: no query, no run
+        assert not getattr(again, "run_requests", None)
+
+        tables.append("landing_feedback", [_feedback("t7")])  # the 8th scored trajectory crosses S*B
+        result, cursor = _tick(instance, resources, cursor)
+        (request,) = result.run_requests
+        assert request.partition_key == "r000001" and request.run_key == "r000001"
+        assert result.dynamic_partitions_requests[0].partition_keys == ["r000001"]
+        instance.add_dynamic_partitions("rounds", ["r000001"])  # what the daemon does with the result
+
+        tables.append("landing_feedback", [_feedback(f"t{i}") for i in range(8, 20)])
+        result, _ = _tick(instance, resources, cursor)  # round 1 is in flight: no second launch
+        assert not getattr(result, "run_requests", None)
