@@ -16,8 +16,11 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 
 install: $(BIN)/.installed
 
-demo: install  ## build the base model and run 3 rounds through Dagster (DAGSTER_HOME=.prodrl/dagster_home)
+$(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 	mkdir -p $(DAGSTER_HOME)
+	cp dagster.yaml $@
+
+demo: install $(DAGSTER_HOME)/dagster.yaml  ## build the base model and run 3 rounds through Dagster
 	$(BIN)/python -m assets.demo --rounds 3
 
 test: install  ## the test suite (slow experiments excluded)
@@ -26,8 +29,7 @@ test: install  ## the test suite (slow experiments excluded)
 test-slow: install
 	$(BIN)/pytest -q -m slow
 
-ui: install  ## Dagster UI + daemon on http://127.0.0.1:3000 over the demo's instance
-	mkdir -p $(DAGSTER_HOME)
+ui: install $(DAGSTER_HOME)/dagster.yaml  ## Dagster UI + daemon on http://127.0.0.1:3000 over the demo's instance
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 serve: install  ## the capture gateway on http://127.0.0.1:8000 serving the live deployment (run `make demo` first)

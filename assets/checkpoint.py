@@ -35,7 +35,9 @@ class CheckpointConfig(Config):
     """Override the resource's default estimator for this run (recorded in the checkpoint)."""
 
 
-@asset(partitions_def=rounds, deps=[advantages], group_name="round", kinds={"pytorch", "delta"})
+@asset(
+    partitions_def=rounds, deps=[advantages], group_name="round", kinds={"pytorch", "delta"}, pool="trainer"
+)
 def checkpoint(
     context: AssetExecutionContext, config: CheckpointConfig, store: StoreResource, lab: LabResource
 ) -> MaterializeResult:

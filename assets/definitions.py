@@ -11,6 +11,7 @@ from assets.checks import CHECKS
 from assets.deployment import deployment
 from assets.eval_report import eval_report
 from assets.jobs import base_job, round_job
+from assets.operations import eval_live_job, eval_live_schedule, maintenance_job, maintenance_schedule
 from assets.sensors import round_sensor
 from assets.trajectories import trajectories
 from resources.lab import LabResource
@@ -19,7 +20,8 @@ from resources.store import StoreResource
 defs = Definitions(
     assets=[base_model, trajectories, advantages, checkpoint, deployment, eval_report],
     asset_checks=CHECKS,
-    jobs=[base_job, round_job],
+    jobs=[base_job, round_job, maintenance_job, eval_live_job],
     sensors=[round_sensor],
+    schedules=[maintenance_schedule, eval_live_schedule],
     resources={"store": StoreResource(), "lab": LabResource()},
 )

@@ -12,17 +12,36 @@ NOW = datetime(2026, 11, 30, tzinfo=UTC)
 
 
 def _call(tid: str, deployment: str = "base") -> dict:
-    return {"call_id": f"{tid}-c", "trajectory_id": tid, "call_index": 0, "deployment_id": deployment,
-            "prompt_token_ids": [1, 2], "completion_token_ids": [3], "completion_logprobs": [-0.5],
-            "topk_token_ids": [[3]], "topk_logprobs": [[-0.5]], "support_size": [50], "support_token_ids": [[]],
-            "extra_token_ids": [[]], "vocab_size": 50,
-            "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 4, "seed": 0},
-            "finish_reason": "length", "messages_json": "[]", "created_at": NOW}
+    return {
+        "call_id": f"{tid}-c",
+        "trajectory_id": tid,
+        "call_index": 0,
+        "deployment_id": deployment,
+        "prompt_token_ids": [1, 2],
+        "completion_token_ids": [3],
+        "completion_logprobs": [-0.5],
+        "topk_token_ids": [[3]],
+        "topk_logprobs": [[-0.5]],
+        "support_size": [50],
+        "support_token_ids": [[]],
+        "extra_token_ids": [[]],
+        "vocab_size": 50,
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 4, "seed": 0},
+        "finish_reason": "length",
+        "messages_json": "[]",
+        "created_at": NOW,
+    }
 
 
 def _feedback(tid: str) -> dict:
-    return {"feedback_id": f"{tid}-f", "trajectory_id": tid, "reward": 1.0, "comment": None, "overwrite": False,
-            "received_at": NOW}
+    return {
+        "feedback_id": f"{tid}-f",
+        "trajectory_id": tid,
+        "reward": 1.0,
+        "comment": None,
+        "overwrite": False,
+        "received_at": NOW,
+    }
 
 
 def _tick(instance: DagsterInstance, resources: dict, cursor: str | None):

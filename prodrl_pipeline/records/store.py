@@ -129,6 +129,20 @@ class DeltaStore:
             qb.register(name, self.table(name))
         return pa.table(qb.execute(sql).read_all())
 
+    def maintain(self, table: str, retention_hours: int) -> dict:
+        """Compact small files, vacuum files unreferenced for `retention_hours` (keep it >= the
+        replay window: pinned versions older than that can no longer be read) and checkpoint the log."""
+        dt = self.table(table)
+        compacted = dt.optimize.compact()
+        vacuumed = dt.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False)
+        dt.create_checkpoint()
+        return {
+            "files_removed": compacted.get("numFilesRemoved", 0),
+            "files_added": compacted.get("numFilesAdded", 0),
+            "vacuumed": len(vacuumed),
+            "version": dt.version(),
+        }
+
     def set_live(self, deployment_id: str) -> None:
         """Move the live pointer: one atomic commit flips `live` on the deployments registry."""
         if not SAFE_ID.fullmatch(deployment_id):

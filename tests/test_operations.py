@@ -1,0 +1,38 @@
+from dagster import instance_for_test, materialize
+
+from assets.base_model import base_model
+from assets.operations import eval_live_job, maintenance_job
+from tests.test_pipeline import _resources
+
+
+def test_maintenance_compacts_and_checkpoints_and_eval_live_rewrites_the_live_eval(tmp_path):
+    resources = _resources(tmp_path)
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        for i in range(4):  # several small appends: several files
+            tables.append(
+                "landing_feedback",
+                [
+                    {
+                        "feedback_id": f"f{i}",
+                        "trajectory_id": f"t{i}",
+                        "reward": 1.0,
+                        "comment": None,
+                        "overwrite": False,
+                        "received_at": tables.read("deployments").column("created_at")[0].as_py(),
+                    }
+                ],
+            )
+        files_before = len(tables.table("landing_feedback").file_uris())
+        assert maintenance_job.execute_in_process(instance=instance, resources=resources).success
+        dt = tables.table("landing_feedback")
+        assert files_before == 4 and len(dt.file_uris()) == 1
+        assert (tmp_path / "tables" / "landing_feedback" / "_delta_log" / "_last_checkpoint").exists()
+        assert tables.read("landing_feedback").num_rows == 4  # nothing lost
+
+        rows = [{**r, "solved": True} for r in tables.read("eval_results", 0).to_pylist()]
+        tables.overwrite("eval_results", rows, "round = 0 AND deployment_id = 'base'")
+        assert eval_live_job.execute_in_process(instance=instance, resources=resources).success
+        fresh = tables.read("eval_results", 0).to_pylist()
+        assert len(fresh) == len(rows) and not all(r["solved"] for r in fresh)  # re-evaluated, replaced
