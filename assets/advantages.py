@@ -2,20 +2,32 @@
 
 import statistics
 
-from dagster import AssetExecutionContext, MaterializeResult, asset
+from dagster import AssetExecutionContext, BackfillPolicy, MaterializeResult, asset
 
-from assets.partitions import round_number, rounds
+from assets.partitions import merged, ordered_keys, round_number, rounds
 from assets.trajectories import trajectories
 from prodrl_pipeline.records.queries import compute_advantages
 from resources.lab import LabResource
 from resources.store import StoreResource
 
 
-@asset(partitions_def=rounds, deps=[trajectories], group_name="round", kinds={"delta", "sql"})
+@asset(
+    partitions_def=rounds,
+    deps=[trajectories],
+    group_name="round",
+    kinds={"delta", "sql"},
+    backfill_policy=BackfillPolicy.single_run(),
+)
 def advantages(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """Batch-mean baseline per minibatch of B trajectories; one row per trained trajectory."""
-    k = round_number(context.partition_key)
-    tables = store.tables(context.run.run_id, context.partition_key)
+    return merged([_advantages_round(context, key, store, lab) for key in ordered_keys(context)])
+
+
+def _advantages_round(
+    context: AssetExecutionContext, key: str, store: StoreResource, lab: LabResource
+) -> MaterializeResult:
+    k = round_number(key)
+    tables = store.tables(context.run.run_id, key)
     cfg = lab.trainer()
     version = tables.table("trajectories").version()
     rows = compute_advantages(tables, k, cfg.batch_size, cfg.steps, cfg.seed)

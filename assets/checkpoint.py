@@ -2,11 +2,11 @@
 
 from dataclasses import asdict
 
-from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, asset
+from dagster import AssetExecutionContext, BackfillPolicy, Config, Failure, MaterializeResult, asset
 
 from assets import metadata
 from assets.advantages import advantages
-from assets.partitions import round_number, rounds
+from assets.partitions import merged, ordered_keys, round_number, rounds
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup, register_checkpoint, round_id
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
@@ -36,15 +36,26 @@ class CheckpointConfig(Config):
 
 
 @asset(
-    partitions_def=rounds, deps=[advantages], group_name="round", kinds={"pytorch", "delta"}, pool="trainer"
+    partitions_def=rounds,
+    deps=[advantages],
+    group_name="round",
+    kinds={"pytorch", "delta"},
+    pool="trainer",
+    backfill_policy=BackfillPolicy.single_run(),
 )
 def checkpoint(
     context: AssetExecutionContext, config: CheckpointConfig, store: StoreResource, lab: LabResource
 ) -> MaterializeResult:
     """Train the round. The parent is the checkpoint behind the deployment that served the round's
     trajectories (lineage is data: `deployment_id` on every trajectory row)."""
-    k = round_number(context.partition_key)
-    tables = store.tables(context.run.run_id, context.partition_key)
+    return merged([_checkpoint_round(context, key, config, store, lab) for key in ordered_keys(context)])
+
+
+def _checkpoint_round(
+    context: AssetExecutionContext, key: str, config: CheckpointConfig, store: StoreResource, lab: LabResource
+) -> MaterializeResult:
+    k = round_number(key)
+    tables = store.tables(context.run.run_id, key)
     try:
         cfg = lab.trainer(config.estimator)
     except ValueError as e:
@@ -55,7 +66,10 @@ def checkpoint(
             description=f"round {k}: expected trajectories from one deployment, found {sorted(served_by)}"
         )
     deployment = lookup(tables, "deployments", "deployment_id", served_by.pop())
-    parent = lookup(tables, "checkpoints", "checkpoint_id", deployment["checkpoint_id"])
+    # The parent is theta_k, the checkpoint behind the serving deployment; a counterfactual replay
+    # follows its own chain instead (its previous round, the base model for round 1).
+    parent_id = round_id(lab.experiment, k - 1) if lab.counterfactual else deployment["checkpoint_id"]
+    parent = lookup(tables, "checkpoints", "checkpoint_id", parent_id)
     model, optimizer_state, parent_meta = load_checkpoint(parent["path"])
     optimizer = make_optimizer(model, cfg, optimizer_state)
     pad = lab.tokenizer().pad_token_id
@@ -108,7 +122,7 @@ def checkpoint(
         progress=progress,
     )
     ckpt_id = round_id(lab.experiment, k)
-    path = store.path("checkpoints", lab.experiment, context.partition_key)
+    path = store.path("checkpoints", lab.experiment, key)
     meta = {
         "checkpoint_id": ckpt_id,
         "round": k,

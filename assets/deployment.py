@@ -3,11 +3,18 @@
 import json
 from dataclasses import asdict
 
-from dagster import AssetCheckResult, AssetCheckSpec, AssetExecutionContext, MaterializeResult, asset
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    BackfillPolicy,
+    MaterializeResult,
+    asset,
+)
 
 from assets.checkpoint import checkpoint
 from assets.evaluation import evaluate_deployment, stored_results
-from assets.partitions import round_number, rounds
+from assets.partitions import merged, ordered_keys, round_number, rounds
 from prodrl_pipeline.evals.gate import deploy_gate
 from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.quant.nvfp4 import export_deployment, weight_error
@@ -30,16 +37,23 @@ from resources.store import StoreResource
             description="held-out solve rate not worse than live's beyond the margin",
         )
     ],
+    backfill_policy=BackfillPolicy.single_run(),
 )
 def deployment(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """Quantize and register the round's checkpoint, evaluate it on the held-out puzzles, and make
     it live only if the deploy gate passes; otherwise live stays and downstream assets are skipped."""
-    k = round_number(context.partition_key)
-    tables = store.tables(context.run.run_id, context.partition_key)
+    return merged([_deployment_round(context, key, store, lab) for key in ordered_keys(context)])
+
+
+def _deployment_round(
+    context: AssetExecutionContext, key: str, store: StoreResource, lab: LabResource
+) -> MaterializeResult:
+    k = round_number(key)
+    tables = store.tables(context.run.run_id, key)
     ckpt = lookup(tables, "checkpoints", "checkpoint_id", round_id(lab.experiment, k))
     model, _, _ = load_checkpoint(ckpt["path"])
     dep_id = round_id(lab.experiment, k)
-    path = store.path("deployments", lab.experiment, context.partition_key)
+    path = store.path("deployments", lab.experiment, key)
     export_deployment(model, path, lab.quant_format)
     register_deployment(
         tables,
@@ -61,7 +75,8 @@ def deployment(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         lab.gate_margin,
         lab.gate_confidence,
     )
-    if gate.passed:
+    # Live only moves forward, and never for a counterfactual replay.
+    if gate.passed and not lab.counterfactual and (live["round"] < k or live["deployment_id"] == dep_id):
         tables.set_live(dep_id)
     context.log.info(f"round {k}: {gate.reason()}; live is {tables.live_deployment()['deployment_id']}")
     return MaterializeResult(

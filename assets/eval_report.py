@@ -2,12 +2,12 @@
 
 from collections import defaultdict
 
-from dagster import AssetExecutionContext, MaterializeResult, asset
+from dagster import AssetExecutionContext, BackfillPolicy, MaterializeResult, asset
 
 from assets import metadata
 from assets.deployment import deployment
 from assets.evaluation import evaluate_deployment, stored_results
-from assets.partitions import round_number, rounds
+from assets.partitions import merged, ordered_keys, round_number, rounds
 from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.records.queries import round_summary
 from prodrl_pipeline.records.registry import lookup, round_id
@@ -17,18 +17,44 @@ from resources.store import StoreResource
 SUMMARY_COLUMNS = ["round", "train_reward", "heldout_solve_rate", "engine_mismatch", "staleness", "last_step"]
 
 
-@asset(partitions_def=rounds, deps=[deployment], group_name="round", kinds={"delta"})
+@asset(
+    partitions_def=rounds,
+    deps=[deployment],
+    group_name="round",
+    kinds={"delta"},
+    backfill_policy=BackfillPolicy.single_run(),
+)
 def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """The round's held-out results (stored per puzzle by the deploy gate's evaluation), the
     per-round table of the run, the reward curve and the mismatch sawtooth."""
-    k = round_number(context.partition_key)
-    tables = store.tables(context.run.run_id, context.partition_key)
+    return merged([_eval_report_round(context, key, store, lab) for key in ordered_keys(context)])
+
+
+def _eval_report_round(
+    context: AssetExecutionContext, key: str, store: StoreResource, lab: LabResource
+) -> MaterializeResult:
+    k = round_number(key)
+    tables = store.tables(context.run.run_id, key)
     dep = lookup(tables, "deployments", "deployment_id", round_id(lab.experiment, k))
     results = stored_results(tables, dep["deployment_id"]) or evaluate_deployment(tables, lab, dep, k)
     by_theme = defaultdict(list)
     for r in results:
         by_theme[next((t for t in r["themes"].split() if t.startswith("mateIn")), "other")].append(r)
     summary = round_summary(tables, lab.experiment)
+    comparison = {}
+    if lab.counterfactual:  # side by side with the original run on the same recorded traffic
+        original = {r["round"]: r for r in round_summary(tables, lab.compare_to)}
+        rows = [
+            {
+                "round": r["round"],
+                f"{lab.compare_to} solve rate": original.get(r["round"], {}).get("heldout_solve_rate"),
+                f"{lab.experiment} solve rate": r["heldout_solve_rate"],
+                f"{lab.compare_to} mismatch": original.get(r["round"], {}).get("engine_mismatch"),
+                f"{lab.experiment} mismatch": r["engine_mismatch"],
+            }
+            for r in summary
+        ]
+        comparison = {"vs_original": metadata.table(rows, list(rows[0]) if rows else [])}
     steps = sorted(
         (r for r in tables.read("train_steps").to_pylist() if r["experiment"] == lab.experiment),
         key=lambda r: r["step"],
@@ -42,6 +68,7 @@ def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabRe
             **{f"solve_rate_{theme}": solve_rate(rows) for theme, rows in sorted(by_theme.items())},
             "deployment_id": dep["deployment_id"],
             "rounds": metadata.table(summary, SUMMARY_COLUMNS),
+            **comparison,
             "reward_curve": metadata.plot(
                 [s["round"] for s in summary],
                 {

@@ -11,6 +11,7 @@ from dagster import (
     AssetExecutionContext,
     AssetKey,
     AssetRecordsFilter,
+    BackfillPolicy,
     Config,
     Failure,
     MaterializeResult,
@@ -18,7 +19,7 @@ from dagster import (
 )
 
 from assets.base_model import base_model
-from assets.partitions import round_number, rounds
+from assets.partitions import merged, ordered_keys, round_number, rounds
 from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.records.snapshot import snapshot_production
 from prodrl_pipeline.records.store import DeltaStore
@@ -33,25 +34,46 @@ class TrajectoriesConfig(Config):
     A production round is re-read at the landing versions its first snapshot pinned."""
 
 
-@asset(partitions_def=rounds, deps=[base_model], group_name="round", kinds={"delta"})
+@asset(
+    partitions_def=rounds,
+    deps=[base_model],
+    group_name="round",
+    kinds={"delta"},
+    backfill_policy=BackfillPolicy.single_run(),
+)
 def trajectories(
     context: AssetExecutionContext, config: TrajectoriesConfig, store: StoreResource, lab: LabResource
 ) -> MaterializeResult:
     """Collect the round's trajectories from the live deployment, validate them against the data
     contract (violations go to `rejects`) and store calls and trajectories for the round."""
-    k = round_number(context.partition_key)
-    tables = store.tables(context.run.run_id, context.partition_key)
+    return merged([_trajectories_round(context, key, config, store, lab) for key in ordered_keys(context)])
+
+
+def _trajectories_round(
+    context: AssetExecutionContext,
+    key: str,
+    config: TrajectoriesConfig,
+    store: StoreResource,
+    lab: LabResource,
+) -> MaterializeResult:
+    k = round_number(key)
+    tables = store.tables(context.run.run_id, key)
     stored = tables.read("trajectories", k)
     if stored.num_rows and not config.recollect:
         context.log.info(f"round {k}: {stored.num_rows} stored trajectories are kept (recollect=False)")
         return MaterializeResult(metadata=_summary(stored.to_pylist(), tables, reused=True))
+    if lab.counterfactual:
+        raise Failure(
+            description=f"round {k}: a counterfactual replay trains on stored traffic only; "
+            "materialize the round's trajectories in the original experiment first"
+        )
     live = tables.live_deployment()
     if live is None:
         raise Failure(description="no live deployment: materialize base_model first")
     n = lab.steps * lab.batch_size
     pinned: dict[str, int | str] = {}
     if lab.source == "production":
-        previous = _pinned_snapshot(context) if config.recollect else None
+        previous = _pinned_snapshot(context, key) if config.recollect else None
         deployment_id = previous["deployment_id"] if previous else live["deployment_id"]
         snap = snapshot_production(tables, k, deployment_id, n, previous and previous["versions"])
         if len(snap.trajectories) < n:
@@ -99,10 +121,10 @@ def _collect_lab(context: AssetExecutionContext, lab: LabResource, live: dict, k
     return rollouts.calls, rollouts.trajectories
 
 
-def _pinned_snapshot(context: AssetExecutionContext) -> dict | None:
+def _pinned_snapshot(context: AssetExecutionContext, key: str) -> dict | None:
     """The deployment and landing versions this partition's last production snapshot read."""
     records = context.instance.fetch_materializations(
-        AssetRecordsFilter(asset_key=AssetKey("trajectories"), asset_partitions=[context.partition_key]),
+        AssetRecordsFilter(asset_key=AssetKey("trajectories"), asset_partitions=[key]),
         limit=1,
     ).records
     meta = records[0].asset_materialization.metadata if records else {}

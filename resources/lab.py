@@ -54,6 +54,11 @@ class LabResource(ConfigurableResource):
     source: Literal["lab", "production"] = "lab"
     """Where a round's trajectories come from: the chess lab, or the capture gateway's landing tables."""
     experiment: str = "main"
+    counterfactual: bool = False
+    """A counterfactual replay: train `experiment` on the stored traffic of earlier rounds (e.g. with
+    another estimator), following its own checkpoint chain, never collecting and never moving live."""
+    compare_to: str = "main"
+    """The experiment a counterfactual replay is compared with, side by side, in eval_report."""
     """Name of the run; checkpoints and deployments are versioned under it."""
     data_dir: str = "data"
     """Shipped puzzles (Lichess CSV) and tokenizer."""

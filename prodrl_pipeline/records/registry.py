@@ -49,7 +49,9 @@ def register_deployment(
     quant_format: str,
     sampling_json: str,
 ) -> None:
-    """Add (or replace) a deployment; it is not live until `store.set_live` says so."""
+    """Add (or replace) a deployment. A new one is not live until `store.set_live` says so; a
+    replaced one keeps its live flag (re-registering in a replay never drops the live pointer)."""
+    live = store.live_deployment()
     row = {
         "deployment_id": deployment_id,
         "round": round_,
@@ -57,7 +59,7 @@ def register_deployment(
         "path": path,
         "quant_format": quant_format,
         "sampling_json": sampling_json,
-        "live": False,
+        "live": live is not None and live["deployment_id"] == deployment_id,
         "created_at": datetime.now(UTC),
     }
     store.overwrite("deployments", [row], f"deployment_id = '{deployment_id}'")
