@@ -15,6 +15,7 @@ from resources.lab import EstimatorSettings, LabResource
 from resources.store import StoreResource
 
 STEP_COLUMNS = [
+    "policy_lag_steps",
     "step",
     "reward_mean",
     "loss",
@@ -66,9 +67,10 @@ def _checkpoint_round(
             description=f"round {k}: expected trajectories from one deployment, found {sorted(served_by)}"
         )
     deployment = lookup(tables, "deployments", "deployment_id", served_by.pop())
-    # The parent is theta_k, the checkpoint behind the serving deployment; a counterfactual replay
-    # follows its own chain instead (its previous round, the base model for round 1).
-    parent_id = round_id(lab.experiment, k - 1) if lab.counterfactual else deployment["checkpoint_id"]
+    # The parent is theta_k, the checkpoint behind the serving deployment (sync); the one-round
+    # asynchronous schedule and counterfactual replays train on from the experiment's previous round.
+    own_chain = lab.counterfactual or lab.schedule == "async1"
+    parent_id = round_id(lab.experiment, k - 1) if own_chain else deployment["checkpoint_id"]
     parent = lookup(tables, "checkpoints", "checkpoint_id", parent_id)
     model, optimizer_state, parent_meta = load_checkpoint(parent["path"])
     optimizer = make_optimizer(model, cfg, optimizer_state)
@@ -119,6 +121,7 @@ def _checkpoint_round(
         first_step=parent_meta["step"],
         round_start=round_start,
         reference=reference,
+        behaviour_step=lookup(tables, "checkpoints", "checkpoint_id", deployment["checkpoint_id"])["step"],
         progress=progress,
     )
     ckpt_id = round_id(lab.experiment, k)

@@ -34,7 +34,11 @@ def main() -> None:
     run_config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
     t0 = time.perf_counter()
     print(f"== base model (DAGSTER_HOME={home})", flush=True)
-    if not defs.get_job_def("base_job").execute_in_process(instance=instance, run_config=run_config).success:
+    if (
+        not defs.resolve_job_def("base_job")
+        .execute_in_process(instance=instance, run_config=run_config)
+        .success
+    ):
         raise SystemExit("base_model failed")
     done = [round_number(k) for k in instance.get_dynamic_partitions("rounds")]
     first = max(done, default=0) + 1
@@ -44,7 +48,7 @@ def main() -> None:
         t = time.perf_counter()
         instance.add_dynamic_partitions("rounds", [key])
         if (
-            not defs.get_job_def("round_job")
+            not defs.resolve_job_def("round_job")
             .execute_in_process(partition_key=key, instance=instance, run_config=run_config)
             .success
         ):

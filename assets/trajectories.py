@@ -21,6 +21,7 @@ from dagster import (
 from assets.base_model import base_model
 from assets.partitions import merged, ordered_keys, round_number, rounds
 from prodrl_pipeline.envs.rollout import play
+from prodrl_pipeline.records.registry import BASE, round_id
 from prodrl_pipeline.records.snapshot import snapshot_production
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.records.validate import split_valid
@@ -70,6 +71,8 @@ def _trajectories_round(
     live = tables.live_deployment()
     if live is None:
         raise Failure(description="no live deployment: materialize base_model first")
+    if lab.schedule == "async1" and lab.source == "lab":
+        live = _async_source(tables, lab, k)
     n = lab.steps * lab.batch_size
     pinned: dict[str, int | str] = {}
     if lab.source == "production":
@@ -99,6 +102,16 @@ def _trajectories_round(
             **pinned,
         }
     )
+
+
+def _async_source(tables: DeltaStore, lab: LabResource, k: int) -> dict:
+    """One-round asynchronous: round k's traffic comes from round k-2's deployment (the one live
+    while round k-1 trained); the base model's for rounds 1 and 2."""
+    registered = {d["deployment_id"]: d for d in tables.read("deployments").to_pylist()}
+    source = round_id(lab.experiment, k - 2) if k > 2 else BASE
+    if source not in registered:
+        raise Failure(description=f"round {k} (async1) collects from {source}, which is not registered")
+    return registered[source]
 
 
 def _collect_lab(context: AssetExecutionContext, lab: LabResource, live: dict, k: int, n: int):

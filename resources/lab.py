@@ -54,6 +54,10 @@ class LabResource(ConfigurableResource):
     source: Literal["lab", "production"] = "lab"
     """Where a round's trajectories come from: the chess lab, or the capture gateway's landing tables."""
     experiment: str = "main"
+    schedule: Literal["sync", "async1"] = "sync"
+    """sync: round k collects from round k-1's deployment and trains from its checkpoint. async1
+    (one-round asynchronous): round k collects from round k-2's deployment (what was live while
+    round k-1 trained) and trains on from round k-1's checkpoint."""
     counterfactual: bool = False
     """A counterfactual replay: train `experiment` on the stored traffic of earlier rounds (e.g. with
     another estimator), following its own checkpoint chain, never collecting and never moving live."""

@@ -261,3 +261,22 @@ def test_asset_checks_pass_on_a_real_round_and_fail_on_crafted_bad_input(tmp_pat
     spike = [{**r, "round": 1, "engine_mismatch": 0.3} for r in steps]
     passed, sustained, _ = checks.mismatch_monitor(spike, 1, mismatch_warn=0.15, staleness_warn=10)
     assert not passed and not sustained  # above the threshold: a warning, not yet a sustained rise
+
+
+def test_async1_collects_from_two_rounds_back_and_trains_on_from_the_previous_round(tmp_path):
+    resources = _resources(tmp_path, schedule="async1", gate_margin=1.0)
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        for k in (1, 2, 3):
+            instance.add_dynamic_partitions("rounds", [round_key(k)])
+            assert materialize(
+                ASSETS, selection=ROUND, partition_key=round_key(k), instance=instance, resources=resources
+            ).success
+    served = {k: set(tables.read("trajectories", k).column("deployment_id").to_pylist()) for k in (1, 2, 3)}
+    assert served == {1: {"base"}, 2: {"base"}, 3: {"main-r000001"}}  # lineage columns
+    parents = {r["checkpoint_id"]: r["parent_id"] for r in tables.read("checkpoints").to_pylist()}
+    assert parents["main-r000002"] == "main-r000001" and parents["main-r000003"] == "main-r000002"
+    lag = {(r["round"], r["step"]): r["policy_lag_steps"] for r in tables.read("train_steps").to_pylist()}
+    # optimizer steps between the sampling checkpoint and the trained policy: S = 2 behind from round 2 on
+    assert lag == {(1, 1): 0, (1, 2): 1, (2, 3): 2, (2, 4): 3, (3, 5): 2, (3, 6): 3}

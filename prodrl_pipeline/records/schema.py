@@ -92,6 +92,8 @@ TRAIN_STEPS = pa.schema(
         ("rho_truncated_fraction", pa.float64()),
         ("kl", pa.float64()),
         ("dropped_trajectories", pa.int64()),
+        # optimizer steps between the checkpoint that sampled the tokens and the policy trained now
+        ("policy_lag_steps", pa.int64()),
         ("seconds", pa.float64()),
     ]
 )

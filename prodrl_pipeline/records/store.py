@@ -72,6 +72,7 @@ class DeltaStore:
                 mode="overwrite",
                 predicate=predicate,
                 partition_by=partition_by,
+                schema_mode="merge",  # a column added in a newer prodrl is added to the table
                 commit_properties=self._commit({"predicate": predicate}),
             )
         return data.num_rows
@@ -97,6 +98,7 @@ class DeltaStore:
             self._conform(table, rows),
             mode="append",
             partition_by=["round"] if table in PARTITIONED else None,
+            schema_mode="merge",
             commit_properties=self._commit(None, transaction),
         )
         return True
@@ -116,11 +118,12 @@ class DeltaStore:
             return TABLES[table].empty_table()
         where = f" WHERE round = {int(round_)}" if round_ is not None else ""
         qb = QueryBuilder().register("t", self.table(table, version))
-        return (
-            pa.table(qb.execute(f"SELECT * FROM t{where}").read_all())
-            .select(TABLES[table].names)
-            .cast(TABLES[table])
-        )
+        data = pa.table(qb.execute(f"SELECT * FROM t{where}").read_all())
+        schema = TABLES[table]
+        for field in schema:  # a table written by an older prodrl lacks newer (nullable) columns
+            if field.name not in data.column_names:
+                data = data.append_column(field.name, pa.nulls(data.num_rows, field.type))
+        return data.select(schema.names).cast(schema)
 
     def query(self, sql: str, tables: Sequence[str]) -> pa.Table:
         """Run DataFusion SQL over the named tables (each registered under its own name)."""

@@ -106,10 +106,13 @@ def train_round(
     first_step: int = 0,
     round_start: dict[str, torch.Tensor] | None = None,
     reference: dict[str, torch.Tensor] | None = None,
+    behaviour_step: int | None = None,
     progress: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Run the round's steps in minibatch order; returns one metrics row per optimizer step.
-    `round_start` (pi_k per call) is computed here if not given; `reference` is required by ref_is."""
+    `round_start` (pi_k per call) is computed here if not given; `reference` is required by ref_is.
+    `behaviour_step`: the global step of the checkpoint whose deployment sampled the calls (default:
+    the round's start, as in the synchronous schedule); each row records the policy lag in steps."""
     est = cfg.estimator
     if est.type == "ref_is" and reference is None:
         raise ValueError("estimator ref_is needs reference log-probs from the dequantized deployment")
@@ -189,6 +192,9 @@ def train_round(
             "rho_truncated_fraction": _mean(cat["rho_truncated"]) if "rho_truncated" in cat else 0.0,
             "kl": _mean(cat["kl"]),
             "dropped_trajectories": len(dropped),
+            "policy_lag_steps": first_step
+            + step
+            - (first_step if behaviour_step is None else behaviour_step),
             "seconds": time.perf_counter() - t0,
         }
         rows.append(row)

@@ -90,3 +90,23 @@ def test_live_pointer_is_unique(tmp_path):
         store.set_live("nope")
     with pytest.raises(ValueError):
         store.set_live("x' OR 1=1 --")
+
+
+def test_tables_written_by_an_older_schema_still_read_and_take_new_columns(tmp_path):
+    from deltalake import write_deltalake
+
+    from prodrl_pipeline.records.schema import TRAIN_STEPS
+
+    old_schema = pa.schema([f for f in TRAIN_STEPS if f.name != "policy_lag_steps"])
+    row = {
+        f.name: (1 if pa.types.is_integer(f.type) else 0.5 if pa.types.is_floating(f.type) else "x")
+        for f in old_schema
+    }
+    write_deltalake(
+        str(tmp_path / "train_steps"), pa.Table.from_pylist([row], schema=old_schema), partition_by=["round"]
+    )
+    store = DeltaStore(tmp_path)
+    (read,) = store.read("train_steps").to_pylist()
+    assert read["policy_lag_steps"] is None and read["loss"] == 0.5
+    store.overwrite_round("train_steps", [{**row, "round": 2, "policy_lag_steps": 3}], 2)
+    assert sorted(r["policy_lag_steps"] or 0 for r in store.read("train_steps").to_pylist()) == [0, 3]
