@@ -21,30 +21,8 @@ import httpx
 from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
-from prodrl_pipeline.gateway.process import GatewayProcess
+from prodrl_pipeline.gateway.process import GatewayProcess, live_root
 from prodrl_pipeline.model import TinyQwen3Config, build_model
-from prodrl_pipeline.quant.nvfp4 import export_deployment
-from prodrl_pipeline.records.registry import register_deployment
-from prodrl_pipeline.records.store import DeltaStore
-
-
-def _root(path: Path) -> Path:
-    tok = load_tokenizer("data/tokenizer")
-    export_deployment(
-        build_model(TinyQwen3Config(), len(tok), tok.pad_token_id), path / "deployments" / "base", "nvfp4"
-    )
-    store = DeltaStore(path / "tables")
-    register_deployment(
-        store,
-        deployment_id="base",
-        round_=0,
-        checkpoint_id="base",
-        path=str(path / "deployments" / "base"),
-        quant_format="nvfp4",
-        sampling_json="{}",
-    )
-    store.set_live("base")
-    return path
 
 
 async def _burst(url: str, bodies: list[dict], concurrency: int) -> tuple[float, list[float]]:
@@ -79,7 +57,8 @@ def main() -> None:
         for i, p in enumerate(puzzles[: args.requests])
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        root = _root(Path(tmp))
+        tok = load_tokenizer("data/tokenizer")
+        root = live_root(Path(tmp), build_model(TinyQwen3Config(), len(tok), tok.pad_token_id))
         servers = {
             "recording on": GatewayProcess(root, "--max-batch", "64").start(),
             "recording off": GatewayProcess(root, "--max-batch", "64", "--no-record").start(),

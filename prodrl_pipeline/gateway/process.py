@@ -11,6 +11,11 @@ import time
 from pathlib import Path
 
 import httpx
+from transformers import PreTrainedModel
+
+from prodrl_pipeline.quant.nvfp4 import export_deployment
+from prodrl_pipeline.records.registry import register_deployment
+from prodrl_pipeline.records.store import DeltaStore
 
 
 def free_port() -> int:
@@ -65,3 +70,22 @@ class GatewayProcess:
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
+
+
+def live_root(root: Path, model: PreTrainedModel, quant_format: str = "nvfp4") -> Path:
+    """A store root whose only deployment, `base`, is `model` exported and live: what a gateway
+    needs to serve (tests, benchmarks)."""
+    root = Path(root)
+    export_deployment(model, root / "deployments" / "base", quant_format)
+    store = DeltaStore(root / "tables")
+    register_deployment(
+        store,
+        deployment_id="base",
+        round_=0,
+        checkpoint_id="base",
+        path=str(root / "deployments" / "base"),
+        quant_format=quant_format,
+        sampling_json="{}",
+    )
+    store.set_live("base")
+    return root

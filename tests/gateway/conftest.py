@@ -2,11 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from prodrl_pipeline.gateway.process import GatewayProcess
+from prodrl_pipeline.gateway.process import GatewayProcess, live_root
 from prodrl_pipeline.model import build_model
-from prodrl_pipeline.quant.nvfp4 import export_deployment
-from prodrl_pipeline.records.registry import register_deployment
-from prodrl_pipeline.records.store import DeltaStore
 from tests.conftest import TINY
 
 SERVE_KEY, FEEDBACK_KEY = "sk-serve-test", "sk-feedback-test"
@@ -14,20 +11,7 @@ SERVE_KEY, FEEDBACK_KEY = "sk-serve-test", "sk-feedback-test"
 
 def make_root(root: Path, tokenizer) -> Path:
     """A store root with one live NVFP4 deployment of a tiny model."""
-    model = build_model(TINY, len(tokenizer), tokenizer.pad_token_id)
-    export_deployment(model, root / "deployments" / "base", "nvfp4")
-    store = DeltaStore(root / "tables")
-    register_deployment(
-        store,
-        deployment_id="base",
-        round_=0,
-        checkpoint_id="base",
-        path=str(root / "deployments" / "base"),
-        quant_format="nvfp4",
-        sampling_json="{}",
-    )
-    store.set_live("base")
-    return root
+    return live_root(root, build_model(TINY, len(tokenizer), tokenizer.pad_token_id))
 
 
 def Gateway(root: Path, *args: str) -> GatewayProcess:  # noqa: N802 - reads like the class it builds
