@@ -36,3 +36,15 @@ def test_maintenance_compacts_and_checkpoints_and_eval_live_rewrites_the_live_ev
         assert eval_live_job.execute_in_process(instance=instance, resources=resources).success
         fresh = tables.read("eval_results", 0).to_pylist()
         assert len(fresh) == len(rows) and not all(r["solved"] for r in fresh)  # re-evaluated, replaced
+
+
+def test_the_lab_instance_config_loads_with_retries_and_the_trainer_pool(tmp_path, monkeypatch):
+    import shutil
+
+    from dagster import DagsterInstance
+
+    shutil.copy("dagster.yaml", tmp_path / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
+    with DagsterInstance.get() as instance:
+        assert instance.run_retries_enabled and instance.run_retries_max_retries == 1
+        assert instance.get_concurrency_config().pool_config.default_pool_limit == 1

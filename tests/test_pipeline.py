@@ -238,6 +238,26 @@ def test_asset_checks_pass_on_a_real_round_and_fail_on_crafted_bad_input(tmp_pat
         ]
         assert check.check_name == "token_integrity" and not check.passed
 
+        # advantage sanity: a non-finite reward stored for round 1 makes the SQL's advantages NaN
+        trajs = tables.read("trajectories", 1).to_pylist()
+        tables.overwrite_round("trajectories", [{**trajs[0], "reward": float("nan")}, *trajs[1:]], 1)
+        result = materialize(
+            ASSETS,
+            selection=[advantages],
+            partition_key=round_key(1),
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+        )
+        (check,) = [
+            e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+        ]
+        assert check.check_name == "advantage_sanity" and not check.passed
+        tables.overwrite_round("trajectories", trajs, 1)
+        assert materialize(
+            ASSETS, selection=[advantages], partition_key=round_key(1), instance=instance, resources=resources
+        ).success
+
     trajs = tables.read("trajectories", 1).to_pylist()
     adv = tables.read("advantages", 1).to_pylist()
     known = {t["trajectory_id"] for t in trajs}
