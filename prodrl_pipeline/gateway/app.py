@@ -32,6 +32,7 @@ from prodrl_pipeline.envs.chat import parse_assistant_text
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.protocol import ChatRequest, CompletionRequest, FeedbackRequest, SamplingFields
+from prodrl_pipeline.gateway.responses import chat_stream, logprobs_content, text_of, usage
 from prodrl_pipeline.gateway.sessions import EXPIRED_TABLE, SessionIndex
 
 TRAJECTORY_HEADER, CALL_HEADER = "X-Prodrl-Trajectory-Id", "X-Prodrl-Call-Id"
@@ -188,34 +189,6 @@ def create_app(
             },
         )
 
-    def text_of(c: Completion) -> str:
-        ids = (
-            c.token_ids[:-1]
-            if c.finish_reason == "stop" and c.token_ids[-1] == tokenizer.eos_token_id
-            else c.token_ids
-        )
-        return tokenizer.decode(ids, skip_special_tokens=False)
-
-    def logprobs_content(c: Completion, n: int) -> list[dict]:
-        tok = tokenizer.convert_ids_to_tokens
-        return [
-            {
-                "token": tok(t),
-                "logprob": lp,
-                "top_logprobs": [
-                    {"token": tok(i), "logprob": x} for i, x in zip(ids[:n], lps[:n], strict=True)
-                ],
-            }
-            for t, lp, ids, lps in zip(c.token_ids, c.logprobs, c.topk_ids, c.topk_logprobs, strict=True)
-        ]
-
-    def usage(prompt_ids: list[int], c: Completion) -> dict:
-        return {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(c.token_ids),
-            "total_tokens": len(prompt_ids) + len(c.token_ids),
-        }
-
     @app.get("/healthz")
     async def healthz() -> dict:
         return {
@@ -256,7 +229,7 @@ def create_app(
             raise HTTPException(422, f"messages do not render with the chat template: {e}") from e
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         c, params, seed = await run(prompt_ids, req)
-        message = parse_assistant_text(text_of(c))
+        message = parse_assistant_text(text_of(tokenizer, c))
         record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
         metrics.counts["chat"] += 1
         finish = (
@@ -269,11 +242,15 @@ def create_app(
             "token_ids": c.token_ids,
         }
         headers = {TRAJECTORY_HEADER: tid, CALL_HEADER: call_id}
-        logprobs = {"content": logprobs_content(c, req.top_logprobs or 0)} if req.logprobs else None
+        logprobs = (
+            {"content": logprobs_content(tokenizer, c, req.top_logprobs or 0)} if req.logprobs else None
+        )
         created = int(time.time())
         if req.stream:
             return StreamingResponse(
-                stream_chat(call_id, created, c, message, finish, ids, logprobs),
+                chat_stream(
+                    tokenizer, cfg.deployment_id, call_id, created, c, message, finish, ids, logprobs
+                ),
                 media_type="text/event-stream",
                 headers=headers,
             )
@@ -290,39 +267,6 @@ def create_app(
             headers=headers,
         )
 
-    async def stream_chat(call_id, created, c, message, finish, ids, logprobs) -> AsyncIterator[str]:
-        def chunk(delta: dict, finish_reason: str | None = None, **extra) -> str:
-            body = {
-                "id": f"chatcmpl-{call_id}",
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": cfg.deployment_id,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-                **extra,
-            }
-            return f"data: {json.dumps(body)}\n\n"
-
-        yield chunk({"role": "assistant", "content": ""}, prodrl=ids)
-        if message.get("tool_calls"):
-            calls = [{**tc, "index": i} for i, tc in enumerate(message["tool_calls"])]
-            if message["content"]:
-                yield chunk({"content": message["content"]})
-            yield chunk({"tool_calls": calls})
-        else:
-            shown = ""
-            n = len(c.token_ids) - (
-                1 if finish == "stop" and c.token_ids[-1] == tokenizer.eos_token_id else 0
-            )
-            for i in range(1, n + 1):  # one chunk per token; the deltas concatenate to the full text
-                text = tokenizer.decode(c.token_ids[:i], skip_special_tokens=False)
-                if text.startswith(shown) and len(text) > len(shown):
-                    yield chunk({"content": text[len(shown) :]})
-                    shown = text
-            if shown != message["content"]:
-                yield chunk({"content": message["content"][len(shown) :]})
-        yield chunk({}, finish, **({"logprobs": logprobs} if logprobs else {}))
-        yield "data: [DONE]\n\n"
-
     @app.post("/v1/completions", dependencies=[serve_auth])
     async def completions(req: CompletionRequest, x_prodrl_trajectory_id: str | None = Header(None)):
         room()
@@ -336,7 +280,7 @@ def create_app(
             else tokenizer.encode(req.prompt, add_special_tokens=False)
         )
         c, params, seed = await run(prompt_ids, req)
-        text = text_of(c)
+        text = text_of(tokenizer, c)
         record(call_id, tid, prompt_ids, c, params, seed, {"prompt": req.prompt, "completion": text})
         metrics.counts["completion"] += 1
         choice = {"index": 0, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
