@@ -160,7 +160,8 @@ def score_centering(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor,
                 "centering='samples' needs calls recorded with extra samples (engine extra_samples >= 1)"
             )
         return A * (x.full_logprobs - x.extra_logprobs.mean(-1)), {}
-    pi_head = x.head_logprobs.exp()  # [N, K]
+    in_head = torch.isfinite(x.head_deployment_logprobs)  # [N, K]: False on padding (heads differ in length)
+    pi_head = x.head_logprobs.exp().masked_fill(~in_head, 0.0)  # [N, K]
     mu_head = x.head_deployment_logprobs.exp()  # [N, K], 0 where padded
     mu_mass, pi_mass = mu_head.sum(-1), pi_head.detach().sum(-1)  # [N]
     alpha = torch.where(
@@ -168,7 +169,7 @@ def score_centering(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor,
         torch.zeros_like(mu_mass),
         (1 - mu_mass).clamp_min(0) / (1 - pi_mass).clamp_min(MASS_EPS),
     )  # [N]
-    head_lp = x.head_logprobs.masked_fill(~torch.isfinite(x.head_deployment_logprobs), 0.0)
+    head_lp = x.head_logprobs.masked_fill(~in_head, 0.0)
     if not cfg.truncated_is:
         coef = (mu_head - alpha[:, None] * pi_head).detach()  # [N, K]
         return A * (x.full_logprobs - (coef * head_lp).sum(-1)), {}

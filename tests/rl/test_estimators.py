@@ -25,11 +25,16 @@ def _dist(seed: int, scale: float = 1.5) -> torch.Tensor:
     ).log_softmax(0)
 
 
-def _inputs(theta, a, log_mu, log_pik=None, head=None, adv=1.0):
-    """TokenInputs for tokens `a` under pi = softmax(theta) (full support), head H of mu."""
+def _inputs(theta, a, log_mu, log_pik=None, head=None, adv=1.0, pad=0):
+    """TokenInputs for tokens `a` under pi = softmax(theta) (full support), head H of mu, padded
+    with `pad` entries (id 0, log mu = -inf) as a microbatch with longer heads pads it."""
     logpi = theta.log_softmax(0)
     a = torch.as_tensor(a)
     head = torch.arange(V) if head is None else torch.as_tensor(head)
+    head_mu = log_mu[head].detach()
+    if pad:
+        head = torch.cat([head, torch.zeros(pad, dtype=torch.long)])
+        head_mu = torch.cat([head_mu, torch.full((pad,), -math.inf)])
     n = len(a)
     return TokenInputs(
         logprobs=logpi[a],
@@ -40,7 +45,7 @@ def _inputs(theta, a, log_mu, log_pik=None, head=None, adv=1.0):
         free=torch.ones(n, dtype=torch.bool),
         full_logprobs=logpi[a],
         head_logprobs=logpi[head].expand(n, -1),
-        head_deployment_logprobs=log_mu[head].detach().expand(n, -1),
+        head_deployment_logprobs=head_mu.expand(n, -1),
         extra_logprobs=torch.zeros(n, 0),
     )
 
@@ -51,9 +56,9 @@ def _grad(fn, theta):
     return g
 
 
-def _objective_grad(theta, a, log_mu, cfg, head=None):
+def _objective_grad(theta, a, log_mu, cfg, head=None, pad=0):
     """d J(a) / d theta for one sampled token a."""
-    return _grad(lambda t: objective(_inputs(t, [a], log_mu, head=head), cfg)[0].sum(), theta)
+    return _grad(lambda t: objective(_inputs(t, [a], log_mu, head=head, pad=pad), cfg)[0].sum(), theta)
 
 
 def _score(theta, a):
@@ -84,7 +89,9 @@ def test_expected_centered_score_under_mu_is_zero(cfg):
     assert plain.abs().max() > 1e-2
 
 
-def test_tail_modelled_head_equals_exact_centering_when_the_tail_model_is_exact():
+@pytest.mark.parametrize("pad", [0, 3])
+def test_tail_modelled_head_equals_exact_centering_when_the_tail_model_is_exact(pad):
+    """Also with the head padded (a microbatch mixing head lengths): padding must not count."""
     theta = _dist(3)
     pi = theta.softmax(0)
     head = torch.tensor([0, 3, 5, 7, 8])
@@ -94,9 +101,31 @@ def test_tail_modelled_head_equals_exact_centering_when_the_tail_model_is_exact(
     mu[tail] = 0.2 * pi[tail] / pi[tail].sum()  # outside H, mu = alpha * pi exactly
     log_mu = mu.log()
     for a in range(V):
-        head_form = _objective_grad(theta, a, log_mu, CENTERING, head=head)
+        head_form = _objective_grad(theta, a, log_mu, CENTERING, head=head, pad=pad)
         exact = _score(theta, a) - sum(mu[v] * _score(theta, v) for v in range(V))
         torch.testing.assert_close(head_form, exact, rtol=0, atol=1e-12)
+
+
+def test_truncated_centering_with_a_partial_head_has_zero_expectation_under_mu():
+    """The alpha' branch: exact modelled tail, C alpha' on either side of 1."""
+    theta = _dist(8)
+    pi = theta.softmax(0)
+    head = torch.tensor([1, 2, 4])
+    tail = torch.tensor([i for i in range(V) if i not in head.tolist()])
+    mu = torch.zeros(V)
+    mu[head] = torch.tensor([0.4, 0.25, 0.15])
+    mu[tail] = 0.2 * pi[tail] / pi[tail].sum()
+    for cap in (1.1, 50.0):
+        cfg = EstimatorConfig(type="score_centering", truncated_is=True, is_cap=cap)
+        expected = sum(mu[a] * _objective_grad(theta, a, mu.log(), cfg, head=head, pad=2) for a in range(V))
+        assert expected.abs().max() < 1e-12, cap
+
+
+def test_centering_changes_the_gradient_when_mu_differs_from_pi():
+    theta, log_mu = _dist(0), _dist(9)
+    assert (
+        _objective_grad(theta, 2, log_mu, CENTERING) - _objective_grad(theta, 2, log_mu, EstimatorConfig())
+    ).abs().max() > 1e-3
 
 
 def test_forced_token_contributes_nothing_to_score_centering():
@@ -156,11 +185,15 @@ def test_token_is_weight_and_sequence_trust_region():
     bkl = lambda m, p: m * math.log(m / p) + (1 - m) * math.log((1 - m) / (1 - p))  # noqa: E731
     kl0 = (bkl(0.5, 0.5) + bkl(0.25, 0.5)) / 2
     kl1 = (bkl(0.4, 0.4) + bkl(0.3, 0.9)) / 2
-    delta = (kl0 + kl1) / 2  # between the two: trajectory 1 is dropped, trajectory 0 kept
-    assert kl0 < delta < kl1
-    j, diag = objective(x, EstimatorConfig(type="token_is", trust_region=True, trust_region_delta=delta))
-    assert diag["dropped"].tolist() == [False, False, True, True]
-    assert torch.all(j[2:] == 0) and torch.all(j[:2] != 0)
+    for delta, dropped in ((kl1 * (1 - 1e-6), True), (kl1 * (1 + 1e-6), False)):  # the boundary, exactly
+        _, diag = objective(x, EstimatorConfig(type="token_is", trust_region=True, trust_region_delta=delta))
+        assert diag["dropped"].tolist() == [kl0 > delta] * 2 + [dropped] * 2
+    # a forced token (not free) does not enter its trajectory's mean
+    x.free = torch.tensor([True, True, True, False])
+    _, diag = objective(
+        x, EstimatorConfig(type="token_is", trust_region=True, trust_region_delta=bkl(0.4, 0.4) + 1e-9)
+    )
+    assert diag["dropped"].tolist() == [True, True, False, False]
 
 
 @pytest.mark.parametrize(
