@@ -93,9 +93,9 @@ def tool_call_prefix(tool_name: str) -> str:
     return f'{TOOL_CALL_OPEN}{{"name": "{tool_name}", "arguments": '
 
 
-def parse_assistant_text(text: str) -> dict:
-    """An OpenAI-style assistant message from completion text: content plus any tool calls.
-    A tool call whose JSON does not parse is kept with its raw text as arguments."""
+def parse_assistant_text(text: str, call_id_prefix: str = "call") -> dict:
+    """An OpenAI-style assistant message from completion text: content plus any tool calls
+    (ids `<call_id_prefix>_<i>`). A tool call whose JSON does not parse keeps its raw text as arguments."""
     text = text.removesuffix(IM_END)
     content, calls = text, []
     while TOOL_CALL_OPEN in content and TOOL_CALL_CLOSE in content:
@@ -108,7 +108,11 @@ def parse_assistant_text(text: str) -> dict:
         except (json.JSONDecodeError, KeyError, TypeError):
             name, args = "", body
         calls.append(
-            {"id": f"call_{len(calls)}", "type": "function", "function": {"name": name, "arguments": args}}
+            {
+                "id": f"{call_id_prefix}_{len(calls)}",
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
         )
     message: dict = {"role": "assistant", "content": content}
     if calls:

@@ -229,7 +229,7 @@ def create_app(
             raise HTTPException(422, f"messages do not render with the chat template: {e}") from e
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         c, params, seed = await run(prompt_ids, req)
-        message = parse_assistant_text(text_of(tokenizer, c))
+        message = parse_assistant_text(text_of(tokenizer, c), call_id_prefix=f"call_{call_id[:12]}")
         record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
         metrics.counts["chat"] += 1
         finish = (
@@ -325,17 +325,21 @@ def create_app(
                 409, f"trajectory {req.trajectory_id!r} already has a reward; send overwrite=true"
             )
         if landing:
-            landing.append(
-                "feedback",
-                {
-                    "feedback_id": uuid.uuid4().hex,
-                    "trajectory_id": req.trajectory_id,
-                    "reward": req.reward,
-                    "comment": req.comment,
-                    "overwrite": req.overwrite,
-                    "received_at": datetime.now(UTC),
-                },
-            )
+            try:
+                landing.append(
+                    "feedback",
+                    {
+                        "feedback_id": uuid.uuid4().hex,
+                        "trajectory_id": req.trajectory_id,
+                        "reward": req.reward,
+                        "comment": req.comment,
+                        "overwrite": req.overwrite,
+                        "received_at": datetime.now(UTC),
+                    },
+                )
+            except Exception:
+                sessions.release_reward(req.trajectory_id)  # not recorded: a retry must not get 409
+                raise
         metrics.counts["feedback"] += 1
         return {"status": "recorded", "trajectory_id": req.trajectory_id}
 

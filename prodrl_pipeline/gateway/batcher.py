@@ -45,12 +45,15 @@ class BatchingEngine:
                     self._queue.put(None)
                     break
                 batch.append(item)
+            batch = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]  # drop cancelled ones
+            if not batch:
+                continue
             seed = next(self._seeds)
             try:
                 completions: list[Completion] = self.engine.generate([r for r, _ in batch], seed=seed)
-            except Exception as e:  # noqa: BLE001 - every waiting request gets the error
+                for (_, f), c in zip(batch, completions, strict=True):
+                    f.set_result((c, seed))
+            except Exception as e:  # noqa: BLE001 - every waiting request gets the error; the worker lives on
                 for _, f in batch:
-                    f.set_exception(e)
-                continue
-            for (_, f), c in zip(batch, completions, strict=True):
-                f.set_result((c, seed))
+                    if not f.done():
+                        f.set_exception(e)

@@ -13,11 +13,13 @@ False and the server answers 503 instead of dropping records.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import threading
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime
@@ -47,7 +49,7 @@ class LandingLog:
         self,
         store: DeltaStore,
         spool_dir: str | Path,
-        app_id: str = "prodrl-gateway",
+        app_id: str | None = None,
         flush_records: int = 256,
         flush_seconds: float = 1.0,
         max_pending: int = 10_000,
@@ -56,7 +58,7 @@ class LandingLog:
     ):
         if flush_records < 1 or flush_seconds <= 0 or max_pending < flush_records:
             raise ValueError("need flush_records >= 1, flush_seconds > 0 and max_pending >= flush_records")
-        self.store, self.spool_dir, self.app_id = store, Path(spool_dir), app_id
+        self.store, self.spool_dir, self.app_id = store, Path(spool_dir), app_id or ""
         self.flush_records, self.flush_seconds, self.max_pending = flush_records, flush_seconds, max_pending
         self.fsync, self.tick = fsync, tick
         self._cond = threading.Condition()
@@ -69,11 +71,24 @@ class LandingLog:
         self._running = False
         self._thread: threading.Thread | None = None
         self.committed_records = 0
+        self._recheck = False  # after a failed commit, retries look up the transaction version
+        self._lock_file = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Commit whatever a previous process left in the spool, then accept records."""
+        """Commit whatever a previous process left in the spool, then accept records. The spool is
+        locked for this process's life (a second gateway on it fails fast) and carries its own
+        Delta app id, so gateways with separate spools never skip each other's versions."""
         self.spool_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_file = (self.spool_dir / ".lock").open("w")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            raise RuntimeError(f"spool {self.spool_dir} is in use by another gateway") from e
+        id_file = self.spool_dir / "app_id"
+        if not id_file.exists():
+            id_file.write_text(f"prodrl-gateway-{uuid.uuid4().hex[:12]}")
+        self.app_id = self.app_id or id_file.read_text().strip()
         leftovers = sorted((int(p.stem.split("-")[1]), p) for p in self.spool_dir.glob("seg-*.jsonl"))
         for seq, path in leftovers:
             self._commit(seq, path, check=True)
@@ -102,6 +117,7 @@ class LandingLog:
             self._cond.notify_all()
         self._thread.join()
         self._commit_sealed()
+        self._lock_file.close()  # releases the spool lock
 
     # -- writing -----------------------------------------------------------------------------
     def has_room(self) -> bool:
@@ -115,6 +131,7 @@ class LandingLog:
         """Make `record` durable (spool) and queue it for Delta. Returns once it is on disk."""
         if kind not in TABLE_OF:
             raise ValueError(f"unknown record kind {kind!r}")
+        pa.Table.from_pylist([record], schema=TABLES[TABLE_OF[kind]])  # refuse what Delta would refuse
         line = json.dumps({"kind": kind, "record": record}, default=_json_default, separators=(",", ":"))
         with self._cond:
             if not self._running:
@@ -156,6 +173,7 @@ class LandingLog:
                     self.tick()
             except Exception:  # keep the spool; the next pass (or restart) commits it
                 log.exception("landing commit failed; records stay in the spool")
+                self._recheck = True  # a table of the failed segment may have committed already
                 time.sleep(self.flush_seconds)
 
     def _commit_sealed(self) -> None:
@@ -164,7 +182,8 @@ class LandingLog:
                 if not self._sealed:
                     return
                 seq, path = self._sealed[0]
-            n = self._commit(seq, path)
+            n = self._commit(seq, path, check=self._recheck)
+            self._recheck = False
             with self._cond:
                 self._sealed.pop(0)
                 self._pending -= n

@@ -16,7 +16,7 @@ class SamplingFields(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=10)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=2**31 - 1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
@@ -40,7 +40,7 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -51,7 +51,7 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-        out = {"role": self.role, "content": content or ""}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.tool_calls:
             out["tool_calls"] = [tc.model_dump(exclude_none=True) for tc in self.tool_calls]
         if self.tool_call_id:

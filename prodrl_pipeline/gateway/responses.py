@@ -78,5 +78,10 @@ async def chat_stream(
                 shown = text
         if shown != message["content"]:
             yield chunk({"content": message["content"][len(shown) :]})
-    yield chunk({}, finish, **({"logprobs": logprobs} if logprobs else {}))
+    final = chunk({}, finish)
+    if logprobs:  # OpenAI puts them on the choice: choices[0].logprobs
+        body = json.loads(final.removeprefix("data: "))
+        body["choices"][0]["logprobs"] = logprobs
+        final = f"data: {json.dumps(body)}\n\n"
+    yield final
     yield "data: [DONE]\n\n"

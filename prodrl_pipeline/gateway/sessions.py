@@ -78,6 +78,12 @@ class SessionIndex:
             s.rewarded = True
             return "ok"
 
+    def release_reward(self, trajectory_id: str) -> None:
+        """Undo `claim_reward` when the reward could not be recorded."""
+        with self._lock:
+            if trajectory_id in self._sessions:
+                self._sessions[trajectory_id].rewarded = False
+
     def expire(self, now: float | None = None) -> list[str]:
         """Trajectories unscored for longer than the TTL: marked expired and returned (once)."""
         now = time.time() if now is None else now
