@@ -211,3 +211,28 @@ def test_token_is_weight_and_sequence_trust_region():
 def test_invalid_configs_say_what_to_change(bad, match):
     with pytest.raises(ValueError, match=match):
         EstimatorConfig(**bad)
+
+
+def test_ref_is_weights_by_the_reference_not_by_mu_and_kl_beta_pulls_toward_pi_k():
+    lp = torch.log(torch.tensor([0.3, 0.3])).requires_grad_(True)
+    lpk = torch.log(torch.tensor([0.3, 0.3]))
+    lmu = torch.log(torch.tensor([0.6, 0.6]))  # pi_k / mu = 0.5
+    ref = torch.log(torch.tensor([0.15, 0.15]))  # pi_k / ref = 2
+    x = TokenInputs(
+        lp,
+        lmu,
+        lpk,
+        torch.ones(2),
+        torch.zeros(2, dtype=torch.long),
+        torch.ones(2, dtype=torch.bool),
+        reference_logprobs=ref,
+    )
+    (g_ref,) = torch.autograd.grad(objective(x, EstimatorConfig(type="ref_is", is_cap=5.0))[0].sum(), lp)
+    (g_tis,) = torch.autograd.grad(objective(x, EstimatorConfig(type="tis_ppo", is_cap=5.0))[0].sum(), lp)
+    torch.testing.assert_close(g_ref, torch.tensor([2.0, 2.0]))  # rho = pi_k / ref, r = 1
+    torch.testing.assert_close(g_tis, torch.tensor([0.5, 0.5]))  # rho = pi_k / mu
+    # the KL term is subtracted: where pi > pi_k, beta > 0 lowers log pi's gradient
+    x.logprobs = torch.log(torch.tensor([0.5, 0.5])).requires_grad_(True)
+    (g0,) = torch.autograd.grad(objective(x, EstimatorConfig())[0].sum(), x.logprobs)
+    (g1,) = torch.autograd.grad(objective(x, EstimatorConfig(kl_beta=0.5))[0].sum(), x.logprobs)
+    assert torch.all(g1 < g0)
