@@ -11,6 +11,7 @@ the landing spool before its response is sent.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -81,6 +82,7 @@ def create_app(
     max_positions: int,
 ) -> FastAPI:
     metrics = Metrics()
+    started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -117,7 +119,9 @@ def create_app(
 
     def key_check(keys: tuple[str, ...]):
         def check(authorization: str | None = Header(None)) -> None:
-            if keys and (authorization or "").removeprefix("Bearer ").strip() not in keys:
+            scheme, _, given = (authorization or "").partition(" ")
+            ok = scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip(), k) for k in keys)
+            if keys and not ok:  # the scheme is case-insensitive; keys compare in constant time
                 raise HTTPException(401, "missing or wrong API key")
 
         return check
@@ -212,7 +216,7 @@ def create_app(
     async def models() -> dict:
         return {
             "object": "list",
-            "data": [{"id": cfg.deployment_id, "object": "model", "owned_by": "prodrl"}],
+            "data": [{"id": cfg.deployment_id, "object": "model", "created": started, "owned_by": "prodrl"}],
         }
 
     @app.post("/v1/chat/completions", dependencies=[serve_auth])

@@ -185,6 +185,8 @@ def test_bad_inputs_get_their_status_and_write_nothing(gateway):
 
 def test_models_and_health(gateway):
     assert [m.id for m in _client(gateway).models.list()] == ["base"]
+    lower = {"Authorization": f"bearer {SERVE_KEY}"}  # the auth scheme is case-insensitive
+    assert httpx.get(f"{gateway.url}/v1/models", headers=lower).status_code == 200
     assert httpx.get(f"{gateway.url}/healthz").json()["deployment_id"] == "base"
 
 
