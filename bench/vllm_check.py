@@ -24,9 +24,8 @@ import torch
 from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
-from prodrl_pipeline.gateway.process import GatewayProcess, free_port
+from prodrl_pipeline.gateway.process import GatewayProcess, free_port, live_root
 from prodrl_pipeline.model import TinyQwen3Config, build_model
-from prodrl_pipeline.records.registry import register_deployment
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.logprobs import build_sequences, token_logprobs
 
@@ -36,20 +35,10 @@ def main() -> None:
     model = build_model(TinyQwen3Config(), len(tok), tok.pad_token_id)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        live_root(root, model, "none")  # full-precision export (tied lm_head), registered live
         export = root / "deployments" / "base"
-        model.save_pretrained(export)
-        tok.save_pretrained(export)
+        tok.save_pretrained(export)  # vLLM reads the tokenizer from the model folder
         store = DeltaStore(root / "tables")
-        register_deployment(
-            store,
-            deployment_id="base",
-            round_=0,
-            checkpoint_id="base",
-            path=str(export),
-            quant_format="none",
-            sampling_json="{}",
-        )
-        store.set_live("base")
         port = free_port()
         vllm = subprocess.Popen(
             [

@@ -33,6 +33,32 @@ def _resources(root, **lab_overrides):
     return {"store": StoreResource(root=str(root)), "lab": LabResource(**{**settings, **lab_overrides})}
 
 
+def run_rounds(instance, resources, rounds) -> None:
+    """Build the base model, then materialize each round's five assets (and their checks)."""
+    assert materialize([base_model], instance=instance, resources=resources).success
+    for k in rounds:
+        instance.add_dynamic_partitions("rounds", [round_key(k)])
+        assert materialize(
+            ASSETS, selection=ROUND, partition_key=round_key(k), instance=instance, resources=resources
+        ).success
+
+
+def _evaluation_after(instance, resources, asset):
+    """Re-materialize `asset` for round 1 and return its (single) asset check evaluation."""
+    result = materialize(
+        ASSETS,
+        selection=[asset],
+        partition_key=round_key(1),
+        instance=instance,
+        resources=resources,
+        raise_on_error=False,
+    )
+    (check,) = [
+        e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+    ]
+    return check
+
+
 def test_definitions_load():
     Definitions.validate_loadable(defs)
     assert {j.name for j in defs.resolve_all_job_defs()} >= {"base_job", "round_job"}
@@ -225,33 +251,13 @@ def test_asset_checks_pass_on_a_real_round_and_fail_on_crafted_bad_input(tmp_pat
         calls = tables.read("calls", 1).to_pylist()
         calls[0]["completion_logprobs"] = [0.5] + calls[0]["completion_logprobs"][1:]
         tables.overwrite_round("calls", calls, 1)
-        result = materialize(
-            ASSETS,
-            selection=[trajectories],
-            partition_key=round_key(1),
-            instance=instance,
-            resources=resources,
-            raise_on_error=False,
-        )
-        (check,) = [
-            e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
-        ]
+        check = _evaluation_after(instance, resources, trajectories)
         assert check.check_name == "token_integrity" and not check.passed
 
         # advantage sanity: a non-finite reward stored for round 1 makes the SQL's advantages NaN
         trajs = tables.read("trajectories", 1).to_pylist()
         tables.overwrite_round("trajectories", [{**trajs[0], "reward": float("nan")}, *trajs[1:]], 1)
-        result = materialize(
-            ASSETS,
-            selection=[advantages],
-            partition_key=round_key(1),
-            instance=instance,
-            resources=resources,
-            raise_on_error=False,
-        )
-        (check,) = [
-            e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
-        ]
+        check = _evaluation_after(instance, resources, advantages)
         assert check.check_name == "advantage_sanity" and not check.passed
         tables.overwrite_round("trajectories", trajs, 1)
         assert materialize(
@@ -287,12 +293,7 @@ def test_async1_collects_from_two_rounds_back_and_trains_on_from_the_previous_ro
     resources = _resources(tmp_path, schedule="async1", gate_margin=1.0)
     tables = resources["store"].tables()
     with instance_for_test() as instance:
-        assert materialize([base_model], instance=instance, resources=resources).success
-        for k in (1, 2, 3):
-            instance.add_dynamic_partitions("rounds", [round_key(k)])
-            assert materialize(
-                ASSETS, selection=ROUND, partition_key=round_key(k), instance=instance, resources=resources
-            ).success
+        run_rounds(instance, resources, (1, 2, 3))
     served = {k: set(tables.read("trajectories", k).column("deployment_id").to_pylist()) for k in (1, 2, 3)}
     assert served == {1: {"base"}, 2: {"base"}, 3: {"main-r000001"}}  # lineage columns
     parents = {r["checkpoint_id"]: r["parent_id"] for r in tables.read("checkpoints").to_pylist()}

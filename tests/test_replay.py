@@ -7,9 +7,8 @@ import json
 from dagster import AssetKey, instance_for_test, materialize
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-from assets.base_model import base_model
 from assets.partitions import round_key
-from tests.test_pipeline import ASSETS, ROUND, _resources
+from tests.test_pipeline import ASSETS, ROUND, _resources, run_rounds
 
 
 def _hashes(root, experiment: str) -> dict[str, str]:
@@ -27,12 +26,7 @@ def test_replay_is_in_order_and_bit_identical_and_counterfactual_leaves_the_orig
     resources = _resources(tmp_path, gate_margin=1.0)  # tiny models: keep the gate out of this test
     tables = resources["store"].tables()
     with instance_for_test() as instance:
-        assert materialize([base_model], instance=instance, resources=resources).success
-        for k in (1, 2, 3):
-            instance.add_dynamic_partitions("rounds", [round_key(k)])
-            assert materialize(
-                ASSETS, selection=ROUND, partition_key=round_key(k), instance=instance, resources=resources
-            ).success
+        run_rounds(instance, resources, (1, 2, 3))
         original = _hashes(tmp_path, "main")
         assert len(original) == 3 and tables.live_deployment()["deployment_id"] == "main-r000003"
 
