@@ -1,11 +1,11 @@
 """The embedded deployment engine: batched sampling with a KV cache, recording like vLLM.
 
-For every position of every completion it records what DESIGN.md §3 asks: the sampled id, its
-log-prob under the processed distribution mu (after the structured-output mask, temperature,
-top-k, top-p), the top-K head of mu (forced tokens: one entry, log-prob 0), the kept support
-when sampling was restricted (`support_size` tokens were kept; if that is more than the head holds
-and less than the vocabulary, `support_ids` lists them all), and optionally M extra tokens drawn
-from the same mu in the same multinomial call (score centering's samples form).
+For every position of every completion it records what the data contract (docs/tables.md) asks:
+the sampled id, its log-prob under the processed distribution mu (after the structured-output
+mask, temperature, top-k, top-p), the top-K head of mu (forced tokens: one entry, log-prob 0),
+the kept support when sampling was restricted (`support_size` tokens were kept; if that is more
+than the head holds and less than the vocabulary, `support_ids` lists them all), and optionally
+M extra tokens drawn from the same mu in the same multinomial call (score centering's samples form).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The lab's traffic: play puzzles against a deployment and record every call (DESIGN.md §3).
+"""The lab's traffic: play puzzles against a deployment and record every call (docs/tables.md).
 
 All unfinished episodes take their turn together, one batched engine call per turn, so a batch
 of puzzles costs (number of turns) engine calls. Each call is recorded exactly as the engine

@@ -1,4 +1,4 @@
-"""Cross-round lineage as data (DESIGN.md §5): the checkpoint registry (with parent pointers) and
+"""Cross-round lineage as data (docs/operations.md): the checkpoint registry (with parent pointers) and
 the deployments registry (with the explicit `live` pointer only the deployment asset moves)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Arrow schemas of every table (DESIGN.md §3). Token ids int32, log-probs float32: both
+"""Arrow schemas of every table (docs/tables.md). Token ids int32, log-probs float32: both
 round-trip bit-exactly through Delta. Per-round tables are partitioned by `round` (int64)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The data contract's rules (DESIGN.md §3). A record that breaks one goes to `rejects` with its
+"""The data contract's rules (docs/tables.md). A record that breaks one goes to `rejects` with its
 reason, together with every other record of its trajectory: it is never trained on."""
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
-"""Per-token policy-gradient estimators (DESIGN.md §4) and the one aggregation they share.
+"""Per-token policy-gradient estimators (docs/estimators.md) and the one aggregation they share.
 
 Every estimator has one signature: `(x: TokenInputs, cfg: EstimatorConfig) -> (J, diagnostics)`.
 J is the per-token objective (maximized); only the trainer's current log-probs (`logprobs`,
-`full_logprobs`, `head_logprobs`, `extra_logprobs` = log pi) carry gradient, every other factor is
+`head_logprobs`, `tail_logprobs`, `extra_logprobs` = log pi) carry gradient, every other factor is
 stop-gradient (sg). Diagnostics are per-token tensors the trainer averages. Symbols: mu the
 deployment's sampling distribution (recorded), pi_k the round-start policy, pi the current policy,
-A the trajectory's advantage. IS ratios use pi, pi_k, mu renormalized over the sampled support S;
-score centering uses full-vocabulary pi and the unrenormalized recorded head of mu.
+A the trajectory's advantage. mu is 0 outside the kept support S (structured-output mask, top-k,
+top-p), so every estimator reads pi and pi_k as renormalized over S (pi_S = pi / pi(S); S = V when
+sampling was unrestricted) and mu as recorded (already over S, full-support mass).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -18,7 +20,6 @@ from typing import Literal
 import torch
 
 MAX_LOG_RATIO = 20.0  # keeps exp() of a log-ratio finite; ratios beyond e^20 are truncated or clipped anyway
-MASS_EPS = 1e-6  # a head whose mass is within this of 1 is treated as the whole support (alpha = 0)
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,16 @@ class EstimatorConfig:
 class TokenInputs:
     """Per completion token of a microbatch; shapes [N] unless noted."""
 
-    logprobs: torch.Tensor  # log pi(a|h) over the support S, with gradient
+    logprobs: torch.Tensor  # log pi_S(a|h), with gradient
     deployment_logprobs: torch.Tensor  # log mu(a|h), recorded (already over S)
     round_start_logprobs: torch.Tensor  # log pi_k(a|h) over S, computed once per round
     advantages: torch.Tensor  # A_i of the token's trajectory
     trajectory: torch.Tensor  # [N] int: index of the token's trajectory in the microbatch
     free: torch.Tensor  # [N] bool: sampled (support > 1 token), not forced
-    full_logprobs: torch.Tensor | None = None  # log pi(a|h) over the vocabulary, with gradient
-    head_logprobs: torch.Tensor | None = None  # [N, K] log pi of mu's recorded head, with gradient
+    head_logprobs: torch.Tensor | None = None  # [N, K] log pi_S of mu's recorded head H, with gradient
+    tail_logprobs: torch.Tensor | None = None  # [N] log pi_S(S minus H), with gradient; -inf if S is in H
     head_deployment_logprobs: torch.Tensor | None = None  # [N, K] recorded log mu of the head (-inf = pad)
-    extra_logprobs: torch.Tensor | None = None  # [N, M] log pi of the deployment's extra samples
+    extra_logprobs: torch.Tensor | None = None  # [N, M] log pi_S of the deployment's extra samples
     reference_logprobs: torch.Tensor | None = None  # log ref(a|h) over S from the dequantized deployment
 
 
@@ -85,6 +86,22 @@ Diagnostics = dict[str, torch.Tensor]
 
 def _ratio(log_num: torch.Tensor, log_den: torch.Tensor) -> torch.Tensor:
     return torch.exp((log_num - log_den).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - e^x) for x <= 0 without cancellation (Maechler 2012); -inf at x = 0. Inputs above 0
+    (a recorded mass rounded past 1) count as 0."""
+    x = x.clamp(max=0.0)
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def bernoulli_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(Bernoulli(p) || Bernoulli(q)) from log p, log q, in log space: exact for probabilities
+    near 0 or 1 (no clamping). +inf where q = 1 > p; 0 terms where p is 0 or 1."""
+    p = log_p.exp()
+    first = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
+    second = torch.where(p < 1, (1 - p) * (log1mexp(log_p) - log1mexp(log_q)), torch.zeros_like(p))
+    return first + second
 
 
 def reinforce(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor, Diagnostics]:
@@ -102,9 +119,7 @@ def token_is(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor, Diagno
     objective = w * x.advantages * x.logprobs
     diag: Diagnostics = {}
     if cfg.trust_region:
-        mu = x.deployment_logprobs.exp().clamp(0.0, 1.0 - MASS_EPS)
-        pi = x.logprobs.detach().exp().clamp(MASS_EPS, 1.0 - MASS_EPS)
-        kl = mu * (mu.clamp_min(MASS_EPS).log() - pi.log()) + (1 - mu) * (torch.log1p(-mu) - torch.log1p(-pi))
+        kl = bernoulli_kl(x.deployment_logprobs, x.logprobs.detach())
         kl = torch.where(x.free, kl, torch.zeros_like(kl))
         n = int(x.trajectory.max()) + 1
         total = kl.new_zeros(n).index_add(0, x.trajectory, kl)
@@ -145,39 +160,45 @@ def _truncated_ppo(
 
 
 def score_centering(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor, Diagnostics]:
-    """Score centering (Marek & Ryabinin 2026): replace s_a = grad log pi(a|h) by s_a - E_mu[s].
-    Head form, H = the recorded top-K of mu with full-vocabulary probabilities mu_v, mu outside H
-    modelled as alpha pi, alpha = (1 - sum_H mu) / (1 - sum_H pi):
-        J = A (log pi(a) - sum_H sg(mu_v - alpha pi_v) log pi(v)).
-    Exact when the support fits in H (alpha = 0); a forced token contributes nothing. With
-    `truncated_is`, w(x) = min(x, C):
-        J = A (sg(w(pi_a / mu_a)) log pi(a) - sum_H sg(min(pi_v, C mu_v) - min(1, C alpha) pi_v) log pi(v)).
-    Samples form: E_mu[s] ~ (1/M) sum_m s(v_m), v_m the deployment's M extra samples."""
+    """Score centering (Marek & Ryabinin 2026): replace s_a = grad log pi_S(a|h) by s_a - E_mu[s].
+    Head form: H = the recorded top-K of mu with full-support probabilities mu_v; on S minus H, mu
+    is modelled as pi_S rescaled to the leftover mass, alpha = (1 - sum_H mu) / (1 - sum_H pi_S).
+    The published J = A (log pi_S(a) - sum_H sg(mu_v - alpha pi_S,v) log pi_S(v)) has the same gradient
+    as the form computed here, which takes the tail directly instead of through sum_S pi_S s = 0:
+        J = A (log pi_S(a) - sum_H sg(mu_v) log pi_S(v) - sg(1 - sum_H mu) log pi_S(S minus H)),
+    since alpha sum_{S minus H} pi_S,v s_v = (1 - sum_H mu) grad log pi_S(S minus H). Both masses
+    come from log space (no 1e-6 floor, no cancellation of alpha against the head); exact when the
+    support fits in H; a forced token contributes nothing. With `truncated_is`, w(x) = min(x, C),
+    E_mu[w s] = sum_S min(pi_S,v, C mu_v) s_v, the tail modelled as above:
+        J = A (sg(w(pi_S(a) / mu(a))) log pi_S(a) - sum_H sg(min(pi_S,v, C mu_v)) log pi_S(v)
+               - sg(min(pi_S(S minus H), C (1 - sum_H mu))) log pi_S(S minus H)).
+    Samples form: E_mu[s] ~ (1/M) sum_m s(v_m), v_m the deployment's M extra samples (exact in
+    expectation whatever S is)."""
     A = x.advantages
     if cfg.centering == "samples":
         if x.extra_logprobs is None or x.extra_logprobs.shape[1] == 0:
             raise ValueError(
                 "centering='samples' needs calls recorded with extra samples (engine extra_samples >= 1)"
             )
-        return A * (x.full_logprobs - x.extra_logprobs.mean(-1)), {}
+        return A * (x.logprobs - x.extra_logprobs.mean(-1)), {}
     in_head = torch.isfinite(x.head_deployment_logprobs)  # [N, K]: False on padding (heads differ in length)
-    pi_head = x.head_logprobs.exp().masked_fill(~in_head, 0.0)  # [N, K]
+    head_lp = x.head_logprobs.masked_fill(~in_head, 0.0)  # [N, K] log pi_S(v)
     mu_head = x.head_deployment_logprobs.exp()  # [N, K], 0 where padded
-    mu_mass, pi_mass = mu_head.sum(-1), pi_head.detach().sum(-1)  # [N]
-    alpha = torch.where(
-        mu_mass >= 1 - MASS_EPS,
-        torch.zeros_like(mu_mass),
-        (1 - mu_mass).clamp_min(0) / (1 - pi_mass).clamp_min(MASS_EPS),
-    )  # [N]
-    head_lp = x.head_logprobs.masked_fill(~in_head, 0.0)
+    has_tail = torch.isfinite(x.tail_logprobs)  # [N]: S is larger than H
+    tail_lp = x.tail_logprobs.masked_fill(~has_tail, 0.0)  # [N] log pi_S(S minus H)
+    # log(1 - sum_H mu) in float64 from the recorded head (float32 rounding sets its floor, ~1e-7)
+    log_mu_tail = log1mexp(x.head_deployment_logprobs.double().logsumexp(-1)).to(tail_lp.dtype)  # [N]
+    log_mu_tail = log_mu_tail.masked_fill(~has_tail, float("-inf"))
     if not cfg.truncated_is:
-        coef = (mu_head - alpha[:, None] * pi_head).detach()  # [N, K]
-        return A * (x.full_logprobs - (coef * head_lp).sum(-1)), {}
+        baseline = (mu_head * head_lp).sum(-1) + log_mu_tail.exp() * tail_lp
+        return A * (x.logprobs - baseline), {}
     C = cfg.is_cap
-    raw_w = _ratio(x.full_logprobs, x.deployment_logprobs)
+    raw_w = _ratio(x.logprobs, x.deployment_logprobs)
     w = raw_w.clamp(max=C).detach()
-    coef = (torch.minimum(pi_head, C * mu_head) - (C * alpha).clamp(max=1.0)[:, None] * pi_head).detach()
-    return A * (w * x.full_logprobs - (coef * head_lp).sum(-1)), {"rho_truncated": raw_w > C}
+    head_coef = torch.minimum(head_lp.detach().exp().masked_fill(~in_head, 0.0), C * mu_head)  # [N, K]
+    tail_coef = torch.minimum(tail_lp.detach(), math.log(C) + log_mu_tail).exp()  # [N], 0 without a tail
+    baseline = (head_coef * head_lp).sum(-1) + tail_coef * tail_lp
+    return A * (w * x.logprobs - baseline), {"rho_truncated": raw_w > C}
 
 
 def kl_penalty(x: TokenInputs) -> torch.Tensor:

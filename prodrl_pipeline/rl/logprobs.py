@@ -2,14 +2,16 @@
 
 Only completion positions are projected to the vocabulary, `chunk_tokens` at a time, so the
 largest fp32 tensor is [chunk_tokens, V], never [tokens, V] for the batch. From one log-softmax
-per chunk (at the recorded temperature) it gathers, per token:
-- `full_logprobs`: log pi(a|h) over the whole vocabulary (score centering's pi);
-- `logprobs`: log pi(a|h) renormalized over the support the engine sampled from (structured-output
-  mask or top-k/top-p set): what IS estimators compare with mu. A forced token (one-token support)
-  gets exactly 0 and no gradient;
-- `head_logprobs` [Ntok, K]: full-vocabulary log pi of the recorded top-K head of mu;
-- `extra_logprobs` [Ntok, M]: full-vocabulary log pi of the M extra tokens the engine sampled;
-- `entropy`: entropy of pi over the support.
+per chunk (at the recorded temperature) it derives pi_S = pi renormalized over the support S the
+engine sampled from (structured-output mask or top-k/top-p set; S = V when unrestricted), the
+distribution every estimator compares with mu (mu is 0 outside S), and gathers, per token:
+- `logprobs`: log pi_S(a|h). A forced token (one-token support) gets exactly 0 and no gradient;
+- `head_logprobs` [Ntok, K]: log pi_S of the recorded top-K head H of mu;
+- `tail_logprobs`: log pi_S(S minus H), the mass pi_S puts outside the head, computed in log space by
+  a logsumexp over S minus H (no 1 - sum cancellation); -inf where S fits in H;
+- `extra_logprobs` [Ntok, M]: log pi_S of the M extra tokens the engine sampled;
+- `full_logprobs`: log pi(a|h) over the whole vocabulary (a diagnostic: log pi_S - log pi = -log pi(S));
+- `entropy`: entropy of pi_S.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def build_sequences(calls: list[dict], pad_id: int) -> Sequences:
 
 
 def token_support(call: dict, t: int) -> list[int] | None:
-    """The kept support of position t of a recorded call (DESIGN.md §3), None if unrestricted."""
+    """The kept support of position t of a recorded call (docs/tables.md), None if unrestricted."""
     size = call["support_size"][t]
     if size >= call["vocab_size"]:
         return None
@@ -103,11 +105,12 @@ def token_support(call: dict, t: int) -> list[int] | None:
 
 @dataclass
 class TokenLogprobs:
-    logprobs: torch.Tensor  # [Ntok] log pi(a|h) over the recorded support
+    logprobs: torch.Tensor  # [Ntok] log pi_S(a|h), pi renormalized over the recorded support S
+    head_logprobs: torch.Tensor  # [Ntok, K] log pi_S of mu's recorded head H (padding: anything)
+    tail_logprobs: torch.Tensor  # [Ntok] log pi_S(S minus H), -inf where S is inside H
+    extra_logprobs: torch.Tensor  # [Ntok, M] log pi_S of the deployment's extra samples
     full_logprobs: torch.Tensor  # [Ntok] log pi(a|h) over the vocabulary
-    head_logprobs: torch.Tensor  # [Ntok, K] log pi of mu's recorded head (vocabulary)
-    extra_logprobs: torch.Tensor  # [Ntok, M] log pi of the deployment's extra samples (vocabulary)
-    entropy: torch.Tensor  # [Ntok] entropy of pi over the support (no gradient)
+    entropy: torch.Tensor  # [Ntok] entropy of pi_S (no gradient)
 
 
 def token_logprobs(model: PreTrainedModel, seqs: Sequences, chunk_tokens: int = 1024) -> TokenLogprobs:
@@ -133,6 +136,7 @@ def project_logprobs(
             seqs.temperature[sl],
             seqs.token_ids[sl],
             seqs.head_ids[sl],
+            seqs.head_mask[sl],
             seqs.extra_ids[sl],
             _support_mask(seqs.support[sl], vocab),
         )
@@ -149,21 +153,29 @@ def _chunk_logprobs(
     temperature: torch.Tensor,  # [c]
     token_ids: torch.Tensor,  # [c]
     head_ids: torch.Tensor,  # [c, K]
+    head_mask: torch.Tensor,  # [c, K]
     extra_ids: torch.Tensor,  # [c, M]
     keep: torch.Tensor | None,  # [c, V] support mask, None = whole vocabulary
 ) -> tuple[torch.Tensor, ...]:
     logp = ((h @ weight.T) / temperature[:, None]).log_softmax(-1)  # [c, V]
     full = logp.gather(1, token_ids[:, None]).squeeze(1)  # [c]
     if keep is None:
-        lp, kept = full, logp
+        kept, lp = logp, full
     else:
         kept = logp.masked_fill(~keep, float("-inf"))
-        kept = kept - kept.logsumexp(-1, keepdim=True)  # renormalize over the support
+        kept = kept - kept.logsumexp(-1, keepdim=True)  # log pi_S: renormalized over the support
         lp = kept.gather(1, token_ids[:, None]).squeeze(1)
+    # scatter_add, not scatter: padded head entries share id 0 with a real entry of token 0
+    in_head = kept.new_zeros(kept.shape).scatter_add(1, head_ids, head_mask.to(kept.dtype)) > 0  # [c, V]
+    outside = kept.masked_fill(in_head, float("-inf"))  # [c, V]: log pi_S on S minus H
+    has_tail = torch.isfinite(outside).any(-1)  # [c]
+    # rows without a tail get a finite dummy row, so logsumexp's backward stays finite (nan * 0 = nan)
+    tail = outside.masked_fill(~has_tail[:, None], 0.0).logsumexp(-1)
+    tail = torch.where(has_tail, tail, torch.full_like(tail, float("-inf")))
     with torch.no_grad():
         p = kept.exp()
         entropy = -(p * kept.masked_fill(p == 0, 0.0)).sum(-1)
-    return lp, full, logp.gather(1, head_ids), logp.gather(1, extra_ids), entropy
+    return lp, kept.gather(1, head_ids), tail, kept.gather(1, extra_ids), full, entropy
 
 
 def _support_mask(support: list[list[int] | None], vocab: int) -> torch.Tensor | None:  # [c, V]

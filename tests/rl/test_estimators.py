@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from prodrl_pipeline.rl.estimators import EstimatorConfig, TokenInputs, kl_penalty, objective
+from tests.rl.conftest import token_inputs
 
 V = 12
 
@@ -26,28 +27,8 @@ def _dist(seed: int, scale: float = 1.5) -> torch.Tensor:
 
 
 def _inputs(theta, a, log_mu, log_pik=None, head=None, adv=1.0, pad=0):
-    """TokenInputs for tokens `a` under pi = softmax(theta) (full support), head H of mu, padded
-    with `pad` entries (id 0, log mu = -inf) as a microbatch with longer heads pads it."""
-    logpi = theta.log_softmax(0)
-    a = torch.as_tensor(a)
-    head = torch.arange(V) if head is None else torch.as_tensor(head)
-    head_mu = log_mu[head].detach()
-    if pad:
-        head = torch.cat([head, torch.zeros(pad, dtype=torch.long)])
-        head_mu = torch.cat([head_mu, torch.full((pad,), -math.inf)])
-    n = len(a)
-    return TokenInputs(
-        logprobs=logpi[a],
-        deployment_logprobs=log_mu[a].detach(),
-        round_start_logprobs=(log_pik if log_pik is not None else logpi.detach())[a],
-        advantages=torch.full((n,), adv),
-        trajectory=torch.zeros(n, dtype=torch.long),
-        free=torch.ones(n, dtype=torch.bool),
-        full_logprobs=logpi[a],
-        head_logprobs=logpi[head].expand(n, -1),
-        head_deployment_logprobs=head_mu.expand(n, -1),
-        extra_logprobs=torch.zeros(n, 0),
-    )
+    """Full support (S = V); the restricted supports are tested in test_restricted_support.py."""
+    return token_inputs(theta, a, log_mu, head=head, log_pik=log_pik, adv=adv, pad=pad)
 
 
 def _grad(fn, theta):

@@ -10,15 +10,42 @@ def _naive(model, seqs):
     return (logits[seqs.token_row, seqs.token_pos] / seqs.temperature[:, None]).log_softmax(-1)  # [Ntok, V]
 
 
+def _over_support(logp, seqs):
+    """log pi_S [Ntok, V]: each row renormalized over its recorded support, brute force."""
+    out = logp.clone()
+    for i, support in enumerate(seqs.support):
+        if support is not None:
+            keep = torch.zeros(logp.shape[1], dtype=torch.bool)
+            keep[support] = True
+            out[i] = logp[i].masked_fill(~keep, float("-inf")).log_softmax(0)
+    return out
+
+
 def test_chunked_equals_naive_log_softmax_gather(tiny_model, recorded, tokenizer):
     seqs = build_sequences(recorded.calls, tokenizer.pad_token_id)
     logp = _naive(tiny_model, seqs)
+    kept = _over_support(logp, seqs)
     full = logp.gather(1, seqs.token_ids[:, None]).squeeze(1)
+    tail = torch.stack(
+        [
+            kept[i]
+            .masked_fill(
+                torch.isin(torch.arange(logp.shape[1]), seqs.head_ids[i][seqs.head_mask[i]]), float("-inf")
+            )
+            .logsumexp(0)
+            for i in range(len(seqs.token_ids))
+        ]
+    )
     for chunk in (1, 7, 4096):
         got = token_logprobs(tiny_model, seqs, chunk_tokens=chunk)
         torch.testing.assert_close(got.full_logprobs, full, rtol=0, atol=1e-5)
-        torch.testing.assert_close(got.head_logprobs, logp.gather(1, seqs.head_ids), rtol=0, atol=1e-5)
-        torch.testing.assert_close(got.extra_logprobs, logp.gather(1, seqs.extra_ids), rtol=0, atol=1e-5)
+        head = seqs.head_mask
+        torch.testing.assert_close(
+            got.head_logprobs[head], kept.gather(1, seqs.head_ids)[head], rtol=0, atol=1e-5
+        )
+        torch.testing.assert_close(got.extra_logprobs, kept.gather(1, seqs.extra_ids), rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.tail_logprobs, tail, rtol=0, atol=1e-4)
+    assert torch.isinf(tail).any() and torch.isfinite(tail).any()  # both kinds of position occur
 
 
 def test_support_renormalizes_and_forced_tokens_carry_no_gradient(tiny_model, recorded, tokenizer):

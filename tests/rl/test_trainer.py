@@ -176,3 +176,17 @@ def test_is_ratios_renormalize_over_a_top_k_or_top_p_support(tiny_model, tokeniz
         unrenormalized = (lp.full_logprobs - seqs.deployment_logprobs)[restricted]
         assert renormalized.abs().max() < ENGINE_VS_TRAINER_ATOL
         assert unrenormalized.mean() < -0.05  # the bias a missing renormalization would leave
+
+
+def test_recorded_lab_calls_on_policy_model_the_tail_exactly(tiny_model, tokenizer, train_puzzles, tmp_path):
+    """Real engine, real constraint (S = the legal moves), K = 2 < |S| < V, no quantization: the
+    trainer's pi_S mass outside the recorded head equals the engine's, 1 - sum_H mu (alpha = 1)."""
+    rollouts = record(tiny_model, tokenizer, train_puzzles[:8], tmp_path, "none", top_logprobs=2)
+    seqs = build_sequences(rollouts.calls, tokenizer.pad_token_id)
+    with torch.no_grad():
+        lp = token_logprobs(tiny_model, seqs)
+    sizes = torch.tensor([tiny_model.config.vocab_size if s is None else len(s) for s in seqs.support])
+    sampled = seqs.free & (sizes > 2)
+    assert sampled.sum() >= 8 and torch.all(sizes[sampled] < tiny_model.config.vocab_size)
+    mu_tail = 1 - seqs.head_deployment_logprobs[sampled].exp().sum(-1)
+    torch.testing.assert_close(lp.tail_logprobs[sampled].exp(), mu_tail.float(), rtol=1e-4, atol=2e-6)
