@@ -83,9 +83,9 @@ def _checkpoint_round(
         f"round {k}: {cfg.steps} x {cfg.batch_size} with {est.type} from {parent['checkpoint_id']}"
     )
 
-    round_start = policy_logprobs(model, calls, cfg, pad)
+    round_start = policy_logprobs(model, calls, cfg, pad, fake_quant=cfg.qat)
     reference = (
-        policy_logprobs(load_deployment(deployment["path"]), calls, cfg, pad)
+        policy_logprobs(load_deployment(deployment["path"]), calls, cfg, pad, fake_quant=False)
         if est.type == "ref_is"
         else None
     )

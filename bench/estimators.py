@@ -77,7 +77,7 @@ def main() -> None:
             cfg = TrainerConfig(steps=1, batch_size=args.batch, estimator=est)
             m = copy.deepcopy(model)
             opt = make_optimizer(m, cfg, None)
-            round_start = policy_logprobs(m, calls, cfg, tok.pad_token_id)
+            round_start = policy_logprobs(m, calls, cfg, tok.pad_token_id, fake_quant=False)
             reference = round_start if est.type == "ref_is" else None  # computed once per round, not per step
             t0 = time.perf_counter()
             train_round(

@@ -76,6 +76,9 @@ class LabResource(ConfigurableResource):
     model_seed: int = 0
     quant_format: Literal["nvfp4", "none"] = "nvfp4"
     """How deployments are exported: NVFP4 weights (served dequantized) or full precision."""
+    qat: bool = False
+    """NVFP4 quantization-aware training: the trainer's forward uses the weights the deployment will
+    serve (straight-through gradient), so pi_k matches mu up to kernel differences."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -135,6 +138,7 @@ class LabResource(ConfigurableResource):
             estimator=(estimator or self.estimator).resolve(),
             microbatch_calls=self.microbatch_calls,
             seed=self.seed,
+            qat=self.qat and self.quant_format == "nvfp4",
         )
 
     def tokenizer(self) -> PreTrainedTokenizerBase:

@@ -60,6 +60,13 @@ def quantize_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def round_trip(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """W_hat = dequantize(quantize(W)) of every quantized weight in `weights` (which must hold their
+    fused siblings), through the export's own quantizer: what an NVFP4 deployment of them serves."""
+    exported = quantize_state({n: w.detach() for n, w in weights.items() if QUANTIZED.match(n)})
+    return {n: w for n, w in dequantize_state(exported).items() if QUANTIZED.match(n)}
+
+
 def dequantize_state(exported: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Full-precision state dict with every quantized weight replaced by W_hat = q * sb * s2."""
     out = {}

@@ -22,6 +22,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from prodrl_pipeline.quant.qat import base_forward
+
 
 @dataclass
 class Sequences:
@@ -113,9 +115,15 @@ class TokenLogprobs:
     entropy: torch.Tensor  # [Ntok] entropy of pi_S (no gradient)
 
 
-def token_logprobs(model: PreTrainedModel, seqs: Sequences, chunk_tokens: int = 1024) -> TokenLogprobs:
-    """Gradient flows when called outside `torch.no_grad()`."""
-    hidden = model.base_model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask).last_hidden_state
+def token_logprobs(
+    model: PreTrainedModel,
+    seqs: Sequences,
+    chunk_tokens: int = 1024,
+    w_hat: dict[str, torch.Tensor] | None = None,
+) -> TokenLogprobs:
+    """Gradient flows when called outside `torch.no_grad()`. `w_hat`: forward through these
+    fake-quantized weights (NVFP4 QAT, straight-through gradient)."""
+    hidden = base_forward(model, w_hat, input_ids=seqs.input_ids, attention_mask=seqs.attention_mask)
     h = hidden[seqs.token_row, seqs.token_pos]  # [Ntok, H]
     return project_logprobs(h, model.get_output_embeddings().weight, seqs, chunk_tokens)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from prodrl_pipeline.quant.qat import served_weights
 from prodrl_pipeline.rl.estimators import EstimatorConfig, TokenInputs, aggregate, objective
 from prodrl_pipeline.rl.logprobs import build_sequences, token_logprobs
 
@@ -46,6 +47,9 @@ class TrainerConfig:
     """Completion tokens projected to the vocabulary at once."""
     seed: int = 0
     """Seed of the minibatch shuffle."""
+    qat: bool = False
+    """NVFP4 quantization-aware training: forward through the weights the deployment will serve
+    (the export's quantizer, straight-through gradient), for pi_k and every step."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "microbatch_calls", "logprob_chunk_tokens"):
@@ -80,13 +84,15 @@ def _microbatches(calls: list[dict], size: int) -> list[list[dict]]:
 
 @torch.no_grad()
 def policy_logprobs(
-    model: PreTrainedModel, calls: list[dict], cfg: TrainerConfig, pad_id: int
+    model: PreTrainedModel, calls: list[dict], cfg: TrainerConfig, pad_id: int, *, fake_quant: bool
 ) -> dict[str, torch.Tensor]:
     """log pi of every completion token over its recorded support, per call_id ([T] each): pi_k
-    with theta_k before the first step, or the reference from the dequantized deployment."""
+    with theta_k before the first step (`fake_quant` = cfg.qat), or the reference from the already
+    dequantized deployment (`fake_quant` = False: quantizing W_hat again would change it)."""
     out = {}
+    w_hat = served_weights(model) if fake_quant else None
     for mb in _microbatches(calls, cfg.microbatch_calls):
-        lp = token_logprobs(model, build_sequences(mb, pad_id), cfg.logprob_chunk_tokens).logprobs
+        lp = token_logprobs(model, build_sequences(mb, pad_id), cfg.logprob_chunk_tokens, w_hat).logprobs
         for c, part in zip(mb, lp.split([len(c["completion_token_ids"]) for c in mb]), strict=True):
             out[c["call_id"]] = part
     return out
@@ -128,7 +134,7 @@ def train_round(
     model.eval()  # Qwen3 has no dropout; eval keeps pi_k and pi numerically identical at step 0
     if round_start is None:
         trained = [c for a in advantages for c in by_traj[a["trajectory_id"]]]
-        round_start = policy_logprobs(model, trained, cfg, pad_id)
+        round_start = policy_logprobs(model, trained, cfg, pad_id, fake_quant=cfg.qat)
     rows = []
     for step, mb in enumerate(minibatches[k] for k in sorted(minibatches)):
         t0 = time.perf_counter()
@@ -136,11 +142,12 @@ def train_round(
         adv = {a["trajectory_id"]: a["advantage"] for a in mb}
         length = {t: sum(len(c["completion_token_ids"]) for c in by_traj[t]) for t in adv}
         optimizer.zero_grad(set_to_none=True)
+        w_hat = served_weights(model) if cfg.qat else None
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
         loss_total, dropped = 0.0, set()
         for micro in _microbatches([c for t in adv for c in by_traj[t]], cfg.microbatch_calls):
             seqs = build_sequences(micro, pad_id)
-            lp = token_logprobs(model, seqs, cfg.logprob_chunk_tokens)
+            lp = token_logprobs(model, seqs, cfg.logprob_chunk_tokens, w_hat)
             owner = [c["trajectory_id"] for c in micro for _ in c["completion_token_ids"]]
             index = {t: i for i, t in enumerate(dict.fromkeys(owner))}
             free = seqs.free

@@ -1,6 +1,12 @@
 import torch
 
-from prodrl_pipeline.quant.nvfp4 import dequantize_state, export_deployment, load_deployment, quantize_state
+from prodrl_pipeline.quant.nvfp4 import (
+    dequantize_state,
+    export_deployment,
+    load_deployment,
+    quantize_state,
+    round_trip,
+)
 
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
 
@@ -45,3 +51,50 @@ def test_deployment_round_trip(tiny_model, tmp_path):
     assert not torch.equal(
         served.model.layers[0].mlp.down_proj.weight, tiny_model.model.layers[0].mlp.down_proj.weight
     )
+
+
+def _reference_w_hat(w: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4 from the format's definition, written independently of the exporter: per-tensor
+    s2 = amax / (6 * 448), per-block sb = fp8_e4m3(clamp(blockmax / (6 * s2), 2^-9, 448)) (1 for
+    an all-zero block), each element the nearest E2M1 magnitude of |w| / (sb * s2) (ties to the
+    even code, saturating at 6) with w's sign, times sb * s2."""
+    s2 = amax.float() / (6 * 448)
+    out = torch.empty_like(w)
+    for r in range(w.shape[0]):
+        for b in range(0, w.shape[1], 16):
+            block = w[r, b : b + 16]
+            sb = block.abs().max() / (6 * s2)
+            sb = torch.tensor(1.0) if sb == 0 else sb
+            sb = sb.clamp(2**-9, 448).to(torch.float8_e4m3fn).float()
+            for i, x in enumerate(block / (sb * s2)):
+                dist = (x.abs() - E2M1).abs()
+                best = [j for j in range(8) if dist[j] == dist.min()]
+                code = best[0] if len(best) == 1 else next(j for j in best if j % 2 == 0)
+                out[r, b + i] = torch.copysign(E2M1[code], x) * (sb * s2)
+    return out
+
+
+def test_nvfp4_round_trip_matches_an_independent_reference():
+    """Random weights, exact ties at every E2M1 midpoint, saturation, an all-zero block, tiny values."""
+    g = torch.Generator().manual_seed(0)
+    ties = torch.tensor(
+        [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.75, -3.5, -5.0, 1e-9, 0.1, 5.9]
+    )
+    weights = {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 32, generator=g),
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(8, 32, generator=g) * 3,
+        "model.layers.0.self_attn.v_proj.weight": torch.randn(8, 32, generator=g) * 0.01,
+        "model.layers.0.mlp.down_proj.weight": torch.cat(
+            [ties.repeat(2, 1), torch.zeros(2, 16), torch.randn(2, 16, generator=g) * 1e-3]
+        ).reshape(3, 32),  # amax 6: the tie block's scale sb * s2 is 448 * 6 / (6 * 448) = 1
+    }
+    got = round_trip(weights)
+    qkv_amax = torch.stack(
+        [weights[f"model.layers.0.self_attn.{p}_proj.weight"].abs().max() for p in "qkv"]
+    ).max()
+    for name, w in weights.items():
+        amax = qkv_amax if "self_attn" in name else w.abs().max()
+        assert torch.equal(got[name], _reference_w_hat(w, amax)), name
+    # the tie row, by hand: each midpoint goes to its even neighbour (0, 1, 1, 2, 2, 4, 4, 6, ...)
+    expected = torch.tensor([0, 1, 1, 2, 2, 4, 4, 6, -0.0, -1, -2, -4, -4, 0, 0, 6], dtype=torch.float32)
+    assert torch.equal(got["model.layers.0.mlp.down_proj.weight"][0, :16], expected)

@@ -45,7 +45,7 @@ def test_trainer_logprobs_match_the_engines(tiny_model, tokenizer, train_puzzles
     assert gaps["nvfp4"].mean() > 10 * ENGINE_VS_TRAINER_ATOL  # quantization is a real mismatch
 
 
-def _grads_after_one_step(model, calls, adv, microbatch_calls, estimator=None):
+def _grads_after_one_step(model, calls, adv, microbatch_calls, estimator=None, qat=False):
     model = copy.deepcopy(model)
     cfg = TrainerConfig(
         steps=1,
@@ -53,6 +53,7 @@ def _grads_after_one_step(model, calls, adv, microbatch_calls, estimator=None):
         microbatch_calls=microbatch_calls,
         lr=1e-3,
         estimator=estimator or EstimatorConfig(),
+        qat=qat,
     )
     opt = make_optimizer(model, cfg, None)
     captured = {}
