@@ -1,19 +1,19 @@
-"""Chess puzzles in the Lichess puzzle CSV format: load, save, and generate locally.
+"""Chess puzzles in the Lichess puzzle CSV format: the row type, reading, writing, statistics.
 
 Lichess convention: `fen` is the position *before* the opponent's move; `moves[0]` (UCI) is that
 opponent move; the player's moves are at odd indices and the opponent's replies at even indices
 >= 2. On the player's last move any move that delivers checkmate is accepted (puzzle rules).
+The lab generates its own puzzles in this format (`puzzle_gen`); docs/puzzles.md describes them.
 """
 
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
-import random
+import math
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from multiprocessing import Pool
 from pathlib import Path
 
 import chess
@@ -121,130 +121,49 @@ def write_puzzles(puzzles: Iterable[Puzzle], path: str | Path) -> None:
             )
 
 
-# ---- generation -------------------------------------------------------------------------------
+def _has_promoted_pieces(board: chess.Board) -> bool:
+    """More than one queen, or more than two rooks, bishops or knights, for either side."""
+    return any(
+        len(board.pieces(chess.QUEEN, color)) > 1
+        or any(len(board.pieces(p, color)) > 2 for p in (chess.ROOK, chess.BISHOP, chess.KNIGHT))
+        for color in chess.COLORS
+    )
 
 
-def _mates_in_one(board: chess.Board) -> list[chess.Move]:
-    mates = []
-    for move in board.legal_moves:
-        if board.gives_check(move):
-            board.push(move)
-            if board.is_checkmate():
-                mates.append(move)
-            board.pop()
-    return mates
+def _quartiles(values: list[int]) -> tuple[float, float, float]:
+    if not values:
+        return (math.nan,) * 3
+    if len(values) == 1:
+        return (float(values[0]),) * 3
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
 
 
-def _forces_mate_in_two(board: chess.Board, first: chess.Move) -> bool:
-    """After `first`, every opponent reply allows a mate in one (and some reply exists)."""
-    board.push(first)
-    try:
-        replies = list(board.legal_moves)
-        if not replies:
-            return False
-        for reply in replies:
-            board.push(reply)
-            mated = bool(_mates_in_one(board))
-            board.pop()
-            if not mated:
-                return False
-        return True
-    finally:
-        board.pop()
-
-
-def _mate_in_two(board: chess.Board) -> tuple[chess.Move, chess.Move, chess.Move] | None:
-    """A unique forcing mate in two: exactly one first move forces mate (searched among checks
-    first, then confirmed unique over all moves). Returns (first, reply, mate) or None."""
-    checks = sorted((m for m in board.legal_moves if board.gives_check(m)), key=lambda m: m.uci())
-    winning = [m for m in checks if _forces_mate_in_two(board, m)]
-    if len(winning) != 1:
-        return None
-    first = winning[0]
-    for move in board.legal_moves:
-        if move != first and not board.gives_check(move) and _forces_mate_in_two(board, move):
-            return None
-    board.push(first)
-    # The opponent's reply: the one leaving the fewest mating answers (the toughest defence).
-    replies = []
-    for reply in sorted(board.legal_moves, key=lambda m: m.uci()):
-        board.push(reply)
-        mates = sorted(_mates_in_one(board), key=lambda m: m.uci())
-        board.pop()
-        replies.append((len(mates), reply, mates[0]))
-    board.pop()
-    _, reply, mate = min(replies, key=lambda r: r[0])
-    return first, reply, mate
-
-
-def _puzzle_id(text: str) -> str:
-    return hashlib.sha1(text.encode()).hexdigest()[:8]
-
-
-def _position_key(board: chess.Board) -> str:
-    return " ".join(board.fen().split()[:4])
-
-
-def _puzzles_from_game(game: int, seed: int, max_plies: int, mate_in_two: bool) -> list[Puzzle]:
-    """Play one random game and emit a puzzle at every position where the side to move mates."""
-    rng = random.Random(seed * 1_000_003 + game)
-    board = chess.Board()
-    out = []
-    for _ in range(max_plies):
-        moves = list(board.legal_moves)
-        if not moves:
-            break
-        before = board.fen()
-        setup = rng.choice(moves)
-        board.push(setup)
-        if board.is_game_over():
-            break
-        mates = sorted(_mates_in_one(board), key=lambda m: m.uci())
-        if mates:
-            line, themes, rating = [setup, mates[0]], "mate mateIn1 oneMove", 900
-        elif mate_in_two and (found := _mate_in_two(board)):
-            line, themes, rating = [setup, *found], "mate mateIn2 short", 1300
-        else:
-            continue
-        uci = [m.uci() for m in line]
-        out.append(
-            Puzzle(
-                puzzle_id=_puzzle_id(f"{before} {' '.join(uci)}"),
-                fen=before,
-                moves=tuple(uci),
-                rating=rating,
-                themes=themes,
-                game_url=f"local://seed{seed}/game{game}",
-                extra={"game": game, "key": _position_key(board)},
-            )
-        )
-    return out
-
-
-def _worker(args: tuple[list[int], int, int, bool]) -> list[Puzzle]:
-    games, seed, max_plies, mate_in_two = args
-    return [p for g in games for p in _puzzles_from_game(g, seed, max_plies, mate_in_two)]
-
-
-def generate(
-    n_games: int,
-    seed: int = 0,
-    heldout_every: int = 10,
-    max_plies: int = 160,
-    mate_in_two: bool = True,
-    processes: int = 2,
-) -> tuple[list[Puzzle], list[Puzzle]]:
-    """Generate (train, heldout) puzzles from `n_games` seeded random games. Games with
-    index % heldout_every == 0 are held out, and positions are de-duplicated globally, so the two
-    sets share neither a source game nor a position."""
-    chunks = [list(range(i, n_games, processes * 8)) for i in range(processes * 8)]
-    with Pool(processes) as pool:
-        results = pool.map(_worker, [(c, seed, max_plies, mate_in_two) for c in chunks])
-    seen: set[str] = set()
-    train, heldout = [], []
-    for p in sorted((p for r in results for p in r), key=lambda p: (p.extra["game"], p.puzzle_id)):
-        if p.extra["key"] in seen:
-            continue
-        seen.add(p.extra["key"])
-        (heldout if p.extra["game"] % heldout_every == 0 else train).append(p)
-    return train, heldout
+def puzzle_stats(puzzles: Iterable[Puzzle]) -> dict[str, float]:
+    """Summary of a puzzle set: `count`; `mate_in_1`, `mate_in_2` (by theme) and their `_share`s of
+    the count; `start_move_q1`, `start_move_median`, `start_move_q3`: quartiles (linear
+    interpolation, as numpy's default) of the full-move number of `fen`; `quiet_mate_in_2_share`:
+    the share of mate-in-2 puzzles whose first solution move gives no check; `promoted_share`: the
+    share of `fen` positions with promoted pieces (more than one queen, or more than two rooks,
+    bishops or knights, for a side). Shares of an empty set are 0."""
+    puzzles = list(puzzles)
+    m1 = [p for p in puzzles if "mateIn1" in p.themes.split()]
+    m2 = [p for p in puzzles if "mateIn2" in p.themes.split()]
+    quiet = 0
+    for p in m2:
+        board = p.start_board()
+        quiet += not board.gives_check(chess.Move.from_uci(p.moves[1]))
+    q1, median, q3 = _quartiles([chess.Board(p.fen).fullmove_number for p in puzzles])
+    n = len(puzzles)
+    return {
+        "count": n,
+        "mate_in_1": len(m1),
+        "mate_in_2": len(m2),
+        "mate_in_1_share": len(m1) / n if n else 0.0,
+        "mate_in_2_share": len(m2) / n if n else 0.0,
+        "start_move_q1": q1,
+        "start_move_median": median,
+        "start_move_q3": q3,
+        "quiet_mate_in_2_share": quiet / len(m2) if m2 else 0.0,
+        "promoted_share": sum(_has_promoted_pieces(chess.Board(p.fen)) for p in puzzles) / n if n else 0.0,
+    }

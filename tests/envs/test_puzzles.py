@@ -1,7 +1,13 @@
+import math
+import random
+
 import chess
+import pytest
 import zstandard
 
-from prodrl_pipeline.envs.puzzles import generate, read_puzzles, write_puzzles
+from prodrl_pipeline.envs.mates import mates_in_one, unique_mate_in_two
+from prodrl_pipeline.envs.puzzle_gen import SPLITS, balance_kinds, generate, play_game, split_of
+from prodrl_pipeline.envs.puzzles import Puzzle, puzzle_stats, read_puzzles, write_puzzles
 
 # A real row of the Lichess puzzle database (format reference): FEN before the opponent's move.
 LICHESS_ROW = (
@@ -9,6 +15,8 @@ LICHESS_ROW = (
     "00008,r6k/pp2r2p/4Rp1Q/3p4/8/1N1P2R1/PqP2bPP/7K b - - 0 24,f2g3 e6e7 b2b1 b3c1 b1c1 h6c1,"
     "1913,75,94,6230,crushing hangingPiece long middlegame,https://lichess.org/787zsVup/black#47,\n"
 )
+# Found by the generator: after 1...Kg8 White's only mate in two is the quiet 2.Rd1.
+QUIET_MATE_IN_TWO = "6k1/6P1/1p6/pP2B1N1/P4p2/7P/5P2/2K3R1 w - - 0 46"
 
 
 def test_reads_lichess_csv_and_zst(tmp_path):
@@ -44,23 +52,185 @@ def test_rejects_non_lichess_csv(tmp_path):
         raise AssertionError("a CSV without Lichess columns must be refused")
 
 
-def test_generated_puzzles_follow_the_convention():
-    train, heldout = generate(12, seed=7, processes=1)
-    for p in train + heldout:
+# ---- generation -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sample() -> dict[str, list[Puzzle]]:
+    """Unbalanced, so that every generated puzzle is checked."""
+    return generate(30, seed=5, balance=False, processes=2)
+
+
+def _all(sample: dict[str, list[Puzzle]]) -> list[Puzzle]:
+    return [p for split in SPLITS for p in sample[split]]
+
+
+def _brute_mates(board: chess.Board) -> list[chess.Move]:
+    mates = []
+    for move in board.legal_moves:
+        board.push(move)
+        if board.is_checkmate():
+            mates.append(move)
+        board.pop()
+    return mates
+
+
+def _brute_winning_first_moves(board: chess.Board) -> list[chess.Move]:
+    """Every first move after which each legal reply allows a mate in one (plain search)."""
+    winners = []
+    for first in board.legal_moves:
+        board.push(first)
+        replies = list(board.legal_moves)
+        wins = bool(replies)
+        for reply in replies:
+            board.push(reply)
+            wins = bool(_brute_mates(board))
+            board.pop()
+            if not wins:
+                break
+        board.pop()
+        if wins:
+            winners.append(first)
+    return winners
+
+
+def test_heuristic_games_are_deterministic_and_varied():
+    games = [play_game(g, seed=3, max_plies=60) for g in range(4)]
+    assert games == [play_game(g, seed=3, max_plies=60) for g in range(4)]
+    assert len({tuple(g[:8]) for g in games}) == 4  # different openings, not one fixed line
+    assert play_game(0, seed=4, max_plies=60) != games[0]
+    for moves in games:  # the moves are legal in sequence
+        board = chess.Board()
+        for uci in moves:
+            board.push_uci(uci)
+
+
+def test_generation_does_not_depend_on_processes():
+    assert generate(6, seed=9, processes=1) == generate(6, seed=9, processes=2)
+
+
+def test_generated_puzzles_follow_the_convention(sample):
+    for p in _all(sample):
         board = chess.Board(p.fen)
         board.push_uci(p.moves[0])  # the opponent's setup move is legal from FEN
         for uci in p.moves[1:]:
             board.push_uci(uci)
         assert board.is_checkmate(), p  # the solution line ends in mate
         assert ("mateIn1" in p.themes) == (len(p.moves) == 2)
+        assert ("mateIn2" in p.themes) == (len(p.moves) == 4)
 
 
-def test_shipped_split_is_disjoint(train_puzzles, heldout):
-    assert len(train_puzzles) >= 5000 and len(heldout) >= 500
-    games = lambda ps: {p.game_url for p in ps}  # noqa: E731
-    positions = lambda ps: {" ".join(p.start_board().fen().split()[:4]) for p in ps}  # noqa: E731
-    assert not games(train_puzzles) & games(heldout)
-    assert not positions(train_puzzles) & positions(heldout)
-    for split in (train_puzzles, heldout):
-        themes = {t for p in split for t in p.themes.split()}
-        assert {"mateIn1", "mateIn2"} <= themes
+def test_mate_in_two_first_move_is_unique_and_there_is_no_mate_in_one(sample):
+    mate_in_two = [p for p in _all(sample) if "mateIn2" in p.themes]
+    quiet = 0
+    for p in mate_in_two:
+        board = p.start_board()
+        assert not _brute_mates(board), p
+        assert _brute_winning_first_moves(board) == [chess.Move.from_uci(p.moves[1])], p
+        quiet += not board.gives_check(chess.Move.from_uci(p.moves[1]))
+    assert len(mate_in_two) >= 10 and quiet >= 1
+
+
+def test_mate_in_two_reply_is_the_toughest_defence(sample):
+    for p in (p for p in _all(sample) if "mateIn2" in p.themes):
+        board = p.start_board()
+        board.push_uci(p.moves[1])
+        counts = {}
+        for reply in board.legal_moves:
+            board.push(reply)
+            counts[reply.uci()] = len(_brute_mates(board))
+            board.pop()
+        assert counts[p.moves[2]] == min(counts.values()), p
+
+
+def test_quiet_mate_in_two_is_found():
+    board = chess.Board(QUIET_MATE_IN_TWO)
+    first, _, mate = unique_mate_in_two(board)
+    assert board.san(first) == "Rd1" and not board.gives_check(first)
+    assert _brute_winning_first_moves(board) == [first]
+
+
+def test_mates_in_one_matches_plain_search(sample):
+    rng = random.Random(0)
+    boards = []
+    for p in _all(sample)[:40]:  # generated positions: mates present
+        boards.append(p.start_board())
+    board = chess.Board()
+    for _ in range(400):  # random play: promotions, en passant, castling, discovered checks
+        moves = list(board.legal_moves)
+        if not moves:
+            board = chess.Board()
+            continue
+        board.push(rng.choice(moves))
+        boards.append(board.copy())
+    for b in boards:
+        assert mates_in_one(b) == sorted(_brute_mates(b), key=chess.Move.uci), b.fen()
+
+
+def test_splits_share_no_game_and_no_position(sample):
+    games = {s: {p.game_url for p in sample[s]} for s in SPLITS}
+    positions = {s: {" ".join(p.start_board().fen().split()[:4]) for p in sample[s]} for s in SPLITS}
+    for i, a in enumerate(SPLITS):
+        for b in SPLITS[i + 1 :]:
+            assert not games[a] & games[b] and not positions[a] & positions[b]
+        for p in sample[a]:
+            assert split_of(int(p.game_url.rsplit("game", 1)[1])) == a
+    everything = _all(sample)
+    assert len({" ".join(p.start_board().fen().split()[:4]) for p in everything}) == len(everything)
+
+
+def test_balancing_keeps_as_many_mate_in_one_as_mate_in_two(sample):
+    puzzles = _all(sample)
+    balanced = balance_kinds(puzzles)
+    stats = puzzle_stats(balanced)
+    assert (
+        stats["mate_in_1"]
+        == stats["mate_in_2"]
+        == min(puzzle_stats(puzzles)[k] for k in ("mate_in_1", "mate_in_2"))
+    )
+    kept = iter(puzzles)  # a subsequence: the order is kept
+    assert all(any(p is q for q in kept) for p in balanced)
+    assert balance_kinds(list(reversed(puzzles))) == list(reversed(balanced))  # chosen by id, not order
+
+
+def test_split_of():
+    assert [split_of(g) for g in range(10)] == ["heldout"] + ["warmup"] * 4 + ["train"] * 5
+
+
+# ---- statistics -------------------------------------------------------------------------------
+
+
+def _hand_puzzle(fen: str, moves: str, themes: str) -> Puzzle:
+    return Puzzle(puzzle_id=fen[:8], fen=fen, moves=tuple(moves.split()), themes=themes)
+
+
+def test_puzzle_stats_on_hand_built_puzzles():
+    puzzles = [
+        # back-rank mate in one, move 10
+        _hand_puzzle("6k1/p4ppp/8/8/8/8/5PPP/R5K1 b - - 0 10", "a7a6 a1a8", "mate mateIn1"),
+        # two white queens (promoted), move 20
+        _hand_puzzle("6k1/p4ppp/8/8/8/8/5PPP/1QQ3K1 b - - 0 20", "a7a6 b1b8", "mate mateIn1"),
+        # mate in two with a quiet first move (Rc1), move 30
+        _hand_puzzle("4Q3/8/P2k4/3p4/4P2P/1p6/1K6/1R6 b - - 5 30", "d5d4 b1c1 d4d3 c1c6", "mate mateIn2"),
+        # mate in two starting with a check (Qh5+ g6 Qxg6#), move 40
+        _hand_puzzle(
+            "r1bqkbnr/1pppp1pp/p1n5/8/4p3/2N4P/PPPP1PPN/R1BQKB1R b KQkq - 1 40",
+            "h7h6 d1h5 g7g6 h5g6",
+            "mate mateIn2",
+        ),
+    ]
+    stats = puzzle_stats(puzzles)
+    assert stats == {
+        "count": 4,
+        "mate_in_1": 2,
+        "mate_in_2": 2,
+        "mate_in_1_share": 0.5,
+        "mate_in_2_share": 0.5,
+        "start_move_q1": 17.5,
+        "start_move_median": 25.0,
+        "start_move_q3": 32.5,
+        "quiet_mate_in_2_share": 0.5,
+        "promoted_share": 0.25,
+    }
+    empty = puzzle_stats([])
+    assert empty["count"] == 0 and empty["mate_in_1_share"] == 0.0 and math.isnan(empty["start_move_median"])
