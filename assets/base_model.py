@@ -4,13 +4,16 @@ import json
 from dataclasses import asdict
 
 from dagster import AssetExecutionContext, MaterializeResult, asset
+from transformers import PreTrainedModel
 
+from assets import metadata
 from assets.evaluation import evaluate_deployment
-from prodrl_pipeline.evals.heldout import solve_rate
+from prodrl_pipeline.evals.heldout import solve_rate, solve_rates_by_theme
 from prodrl_pipeline.model import build_model, load_model, n_parameters
 from prodrl_pipeline.quant.nvfp4 import export_deployment
 from prodrl_pipeline.records.registry import BASE, lookup, register_checkpoint, register_deployment
 from prodrl_pipeline.rl.checkpoint import META_FILE, save_checkpoint
+from prodrl_pipeline.rl.warmstart import WarmStartConfig, solved_turns, warm_start
 from resources.lab import LabResource
 from resources.store import StoreResource
 
@@ -22,6 +25,7 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
     tables = store.tables(context.run.run_id)
     tok = lab.tokenizer()
     source = lab.base_checkpoint or "tiny-qwen3"
+    warm = lab.warm_start() if not lab.base_checkpoint else None
     meta = {
         "checkpoint_id": BASE,
         "round": 0,
@@ -29,14 +33,16 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         "source": source,
         "model": asdict(lab.tiny_model()),
         "vocab_size": len(tok),
+        "warm_start": asdict(warm) if warm else None,
     }
     path = store.path("checkpoints", BASE)
     cached = (path / META_FILE).exists() and json.loads((path / META_FILE).read_text()) == meta
-    model = (
-        load_model(path if cached else lab.base_checkpoint)
-        if (cached or lab.base_checkpoint)
-        else (build_model(lab.tiny_model(), len(tok), tok.pad_token_id))
-    )
+    warm_rows: list[dict] = []
+    if cached or lab.base_checkpoint:
+        model = load_model(path if cached else lab.base_checkpoint)
+    else:
+        model = build_model(lab.tiny_model(), len(tok), tok.pad_token_id)
+        warm_rows = _warm_start(context, lab, model, warm)
     if not cached:
         save_checkpoint(path, model, None, meta)
     register_checkpoint(
@@ -69,7 +75,43 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
             "deployment_path": str(deploy_path),
             "quant_format": lab.quant_format,
             "heldout_solve_rate": solve_rate(results),
+            **{f"heldout_solve_rate_{theme}": rate for theme, rate in solve_rates_by_theme(results).items()},
+            **_warm_start_metadata(warm_rows),
             "heldout_puzzles": len(results),
             "live_deployment": tables.live_deployment()["deployment_id"],
         }
     )
+
+
+def _warm_start(
+    context: AssetExecutionContext, lab: LabResource, model: PreTrainedModel, cfg: WarmStartConfig
+) -> list[dict]:
+    if cfg.steps == 0:
+        return []
+    tok = lab.tokenizer()
+    turns = solved_turns(tok, lab.puzzles("warmup"))
+    context.log.info(f"warm start: {cfg.steps} steps of {cfg.batch_size} over {len(turns)} solved turns")
+
+    def progress(row: dict) -> None:
+        if row["step"] % 25 == 0 or row["step"] == cfg.steps:
+            context.log.info(
+                f"warm start step {row['step']}/{cfg.steps}: loss {row['loss']:.3f} "
+                f"mean pi(solution) {row['solution_prob']:.3f}"
+            )
+
+    return warm_start(model, turns, cfg, tok.pad_token_id, progress)
+
+
+def _warm_start_metadata(rows: list[dict]) -> dict:
+    if not rows:
+        return {}
+    return {
+        "warm_start_final_loss": rows[-1]["loss"],
+        "warm_start_seconds": sum(r["seconds"] for r in rows),
+        "warm_start_plot": metadata.plot(
+            [r["step"] for r in rows],
+            {"loss": [r["loss"] for r in rows], "mean pi(solution move)": [r["solution_prob"] for r in rows]},
+            "step",
+            "supervised warm start",
+        ),
+    }

@@ -17,7 +17,7 @@ from transformers.utils import logging as hf_logging
 from assets.definitions import defs
 from assets.eval_report import SUMMARY_COLUMNS
 from assets.partitions import round_key, round_number
-from prodrl_pipeline.evals.report import markdown_table
+from prodrl_pipeline.evals.report import gain_over_base, markdown_table
 from prodrl_pipeline.records.queries import round_summary
 from resources.lab import LabResource
 from resources.store import StoreResource
@@ -55,9 +55,17 @@ def main() -> None:
             raise SystemExit(f"round {k} failed")
         print(f"== round {k} took {time.perf_counter() - t:.1f} s", flush=True)
     store = StoreResource()  # the defaults the definitions use
-    summary = round_summary(store.tables(), LabResource().experiment)
+    experiment = LabResource().experiment
+    summary = round_summary(store.tables(), experiment)
     print(f"\nprodrl demo: {args.rounds} rounds in {time.perf_counter() - t0:.1f} s\n")
     print(markdown_table(summary, SUMMARY_COLUMNS))
+    last = summary[-1]["round"]
+    gain = gain_over_base(store.tables(), experiment, last)
+    lo, hi = gain.interval(0.95)
+    print(
+        f"\nheld-out greedy solve rate: base {gain.baseline_rate:.3f} -> round {last} {gain.rate:.3f}, "
+        f"gain {gain.diff:+.3f} (95% CI {lo:+.3f} to {hi:+.3f}, {gain.n} paired puzzles)"
+    )
 
 
 if __name__ == "__main__":

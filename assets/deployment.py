@@ -13,11 +13,12 @@ from dagster import (
 )
 
 from assets.checkpoint import checkpoint
-from assets.evaluation import evaluate_deployment, stored_results
+from assets.evaluation import evaluate_deployment
 from assets.partitions import merged, ordered_keys, round_number, rounds
 from prodrl_pipeline.evals.gate import deploy_gate
 from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.quant.nvfp4 import export_deployment, weight_error
+from prodrl_pipeline.records.queries import stored_results
 from prodrl_pipeline.records.registry import lookup, register_deployment, round_id
 from prodrl_pipeline.rl.checkpoint import load_checkpoint
 from resources.lab import LabResource

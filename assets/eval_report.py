@@ -1,20 +1,27 @@
 """Held-out evaluation of the round's deployment, and the run's curves so far."""
 
-from collections import defaultdict
-
 from dagster import AssetExecutionContext, BackfillPolicy, MaterializeResult, asset
 
 from assets import metadata
 from assets.deployment import deployment
-from assets.evaluation import evaluate_deployment, stored_results
+from assets.evaluation import evaluate_deployment
 from assets.partitions import merged, ordered_keys, round_number, rounds
-from prodrl_pipeline.evals.heldout import solve_rate
-from prodrl_pipeline.records.queries import round_summary
+from prodrl_pipeline.evals.heldout import solve_rate, solve_rates_by_theme
+from prodrl_pipeline.records.queries import round_summary, stored_results
 from prodrl_pipeline.records.registry import lookup, round_id
 from resources.lab import LabResource
 from resources.store import StoreResource
 
-SUMMARY_COLUMNS = ["round", "train_reward", "heldout_solve_rate", "engine_mismatch", "staleness", "last_step"]
+SUMMARY_COLUMNS = [
+    "round",
+    "train_reward",
+    "heldout_solve_rate",
+    "mate_in_1",
+    "mate_in_2",
+    "engine_mismatch",
+    "staleness",
+    "last_step",
+]
 
 
 @asset(
@@ -37,9 +44,6 @@ def _eval_report_round(
     tables = store.tables(context.run.run_id, key)
     dep = lookup(tables, "deployments", "deployment_id", round_id(lab.experiment, k))
     results = stored_results(tables, dep["deployment_id"]) or evaluate_deployment(tables, lab, dep, k)
-    by_theme = defaultdict(list)
-    for r in results:
-        by_theme[next((t for t in r["themes"].split() if t.startswith("mateIn")), "other")].append(r)
     summary = round_summary(tables, lab.experiment)
     comparison = {}
     if lab.counterfactual:  # side by side with the original run on the same recorded traffic
@@ -65,7 +69,7 @@ def _eval_report_round(
         metadata={
             "heldout_solve_rate": rate,
             "heldout_puzzles": len(results),
-            **{f"solve_rate_{theme}": solve_rate(rows) for theme, rows in sorted(by_theme.items())},
+            **{f"solve_rate_{theme}": rate for theme, rate in solve_rates_by_theme(results).items()},
             "deployment_id": dep["deployment_id"],
             "rounds": metadata.table(summary, SUMMARY_COLUMNS),
             **comparison,

@@ -20,10 +20,3 @@ def evaluate_deployment(tables: DeltaStore, lab: LabResource, deployment: dict, 
         "eval_results", rows, f"round = {round_} AND deployment_id = '{deployment['deployment_id']}'"
     )
     return rows
-
-
-def stored_results(tables: DeltaStore, deployment_id: str) -> list[dict]:
-    """The latest stored evaluation of a deployment (empty if never evaluated)."""
-    rows = [r for r in tables.read("eval_results").to_pylist() if r["deployment_id"] == deployment_id]
-    last = max((r["round"] for r in rows), default=None)
-    return [r for r in rows if r["round"] == last]

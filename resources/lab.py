@@ -18,6 +18,7 @@ from prodrl_pipeline.model import TinyQwen3Config
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.trainer import TrainerConfig
+from prodrl_pipeline.rl.warmstart import WarmStartConfig
 
 
 @lru_cache(maxsize=4)
@@ -74,6 +75,12 @@ class LabResource(ConfigurableResource):
     num_kv_heads: int = 2
     intermediate_size: int = 384
     model_seed: int = 0
+    warm_start_steps: int = 300
+    """Supervised warm start of the lab's base model on solved transcripts of the `warmup` puzzles
+    (0 keeps the random initialisation). Ignored with `base_checkpoint`."""
+    warm_start_lr: float = 2e-3
+    warm_start_batch: int = 64
+    """Player turns per warm-start step."""
     quant_format: Literal["nvfp4", "none"] = "nvfp4"
     """How deployments are exported: NVFP4 weights (served dequantized) or full precision."""
     qat: bool = False
@@ -124,6 +131,14 @@ class LabResource(ConfigurableResource):
             seed=self.model_seed,
         )
 
+    def warm_start(self) -> WarmStartConfig:
+        return WarmStartConfig(
+            steps=self.warm_start_steps,
+            batch_size=self.warm_start_batch,
+            lr=self.warm_start_lr,
+            seed=self.seed,
+        )
+
     def sampling(self) -> SamplingParams:
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens
@@ -144,7 +159,7 @@ class LabResource(ConfigurableResource):
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return _tokenizer(str(Path(self.base_checkpoint or Path(self.data_dir) / "tokenizer")))
 
-    def puzzles(self, split: Literal["train", "heldout"]) -> tuple[Puzzle, ...]:
+    def puzzles(self, split: Literal["train", "warmup", "heldout"]) -> tuple[Puzzle, ...]:
         return _puzzles(self.data_dir, split)
 
     def engine(self, deployment_path: str | Path) -> TorchEngine:

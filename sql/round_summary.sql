@@ -1,5 +1,6 @@
 -- One row per round of an experiment: mean reward of the traffic it trained on, held-out solve
--- rate of the deployment it produced (round 0 = the base deployment), and the mean per-step
+-- rate of the deployment it produced (round 0 = the base deployment), overall and for mate-in-1
+-- and mate-in-2 puzzles, and the mean per-step
 -- engine mismatch |log pi_k - log mu| and staleness |log pi - log pi_k| of its training.
 WITH train AS (
     SELECT round, avg(reward) AS train_reward, count(*) AS trajectories
@@ -13,13 +14,15 @@ WITH train AS (
     GROUP BY round
 ), heldout AS (
     SELECT round, avg(CASE WHEN solved THEN 1.0 ELSE 0.0 END) AS heldout_solve_rate,
+           avg(CASE WHEN themes LIKE '%mateIn1%' THEN (CASE WHEN solved THEN 1.0 ELSE 0.0 END) END) AS mate_in_1,
+           avg(CASE WHEN themes LIKE '%mateIn2%' THEN (CASE WHEN solved THEN 1.0 ELSE 0.0 END) END) AS mate_in_2,
            count(*) AS heldout_puzzles
     FROM eval_results
     WHERE deployment_id = 'base' OR deployment_id = concat('{experiment}-r', lpad(CAST(round AS VARCHAR), 6, '0'))
     GROUP BY round
 )
 SELECT heldout.round, train.trajectories, train.train_reward, heldout.heldout_solve_rate,
-       heldout.heldout_puzzles, steps.engine_mismatch, steps.staleness, steps.last_step
+       heldout.mate_in_1, heldout.mate_in_2, heldout.heldout_puzzles, steps.engine_mismatch, steps.staleness, steps.last_step
 FROM heldout
 LEFT JOIN train ON train.round = heldout.round
 LEFT JOIN steps ON steps.round = heldout.round

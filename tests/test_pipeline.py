@@ -29,6 +29,8 @@ def _resources(root, **lab_overrides):
         steps=2,
         batch_size=8,
         eval_puzzles=16,
+        warm_start_steps=3,
+        warm_start_batch=8,
     )
     return {"store": StoreResource(root=str(root)), "lab": LabResource(**{**settings, **lab_overrides})}
 
@@ -89,6 +91,10 @@ def test_two_rounds_end_to_end(tmp_path):
             AssetKey("eval_report")
         ).asset_materialization.metadata
         assert "reward_curve" in meta and "heldout_solve_rate" in meta
+        base_meta = instance.get_latest_materialization_event(
+            AssetKey("base_model")
+        ).asset_materialization.metadata
+        assert "warm_start_plot" in base_meta and "heldout_solve_rate_mateIn2" in base_meta
 
         counts = {t: tables.read(t).num_rows for t in ("calls", "trajectories", "advantages")}
         ids = sorted(tables.read("trajectories", 1).column("trajectory_id").to_pylist())
@@ -120,6 +126,7 @@ ESTIMATOR_RUNS = {
     "ref-is": {"type": "ref_is"},
     "centering": {"type": "score_centering", "truncated_is": True},
     "centering-samples": {"type": "score_centering", "centering": "samples"},
+    "centering-qat": {"type": "score_centering"},
 }
 
 
@@ -139,7 +146,8 @@ def test_each_estimator_runs_a_round_and_logs_its_diagnostics(tmp_path):
             resources=resources,
         ).success
         for experiment, estimator in ESTIMATOR_RUNS.items():
-            lab = _resources(tmp_path, extra_samples=2, experiment=experiment)["lab"]
+            qat = experiment.endswith("-qat")
+            lab = _resources(tmp_path, extra_samples=2, experiment=experiment, qat=qat)["lab"]
             run_config = {"ops": {"checkpoint": {"config": {"estimator": estimator}}}}
             result = materialize(
                 ASSETS,
@@ -154,7 +162,10 @@ def test_each_estimator_runs_a_round_and_logs_its_diagnostics(tmp_path):
                 (tmp_path / "checkpoints" / experiment / round_key(1) / "prodrl.json").read_text()
             )
             assert meta["trainer"]["estimator"]["type"] == estimator["type"]
+            assert meta["trainer"]["qat"] == qat
     steps = [r for r in tables.read("train_steps", 1).to_pylist()]
+    mismatch = {r["experiment"]: r["engine_mismatch"] for r in steps if r["step"] == 1}
+    assert mismatch["centering-qat"] < 1e-4 < mismatch["centering"]  # QAT: pi_k is what NVFP4 serves
     assert {r["experiment"] for r in steps} == set(ESTIMATOR_RUNS)
     for r in steps:
         for key in (

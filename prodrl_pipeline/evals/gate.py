@@ -3,7 +3,8 @@
 Both are scored on the same held-out puzzles, so the test is paired: d_i = solved_candidate_i -
 solved_live_i, mean d, standard error s_d / sqrt(n). The gate fails when the evidence of a drop
 larger than `margin` is significant at `confidence` (one-sided): d + z * SE < -margin. A
-candidate that is merely noisy on a small eval set is not blocked; a clear regression is.
+candidate that is merely noisy on a small eval set is not blocked; a clear regression is. The
+same paired statistics give the two-sided interval of a run's gain over its base.
 """
 
 from __future__ import annotations
@@ -32,26 +33,54 @@ class GateResult:
         )
 
 
+@dataclass(frozen=True)
+class PairedDifference:
+    """Mean paired difference of two deployments' solve rates on the same puzzles."""
+
+    n: int
+    rate: float  # the first deployment's solve rate on the shared puzzles
+    baseline_rate: float
+    diff: float  # mean of d_i = solved_i - baseline_solved_i
+    se: float  # s_d / sqrt(n)
+
+    def interval(self, confidence: float = 0.95) -> tuple[float, float]:
+        """Two-sided normal-approximation confidence interval of the difference."""
+        z = NormalDist().inv_cdf(0.5 + confidence / 2)
+        return self.diff - z * self.se, self.diff + z * self.se
+
+
+def paired_difference(solved: dict[str, bool], baseline: dict[str, bool]) -> PairedDifference:
+    """`solved`, `baseline`: puzzle_id -> solved. Only puzzles scored for both count."""
+    shared = sorted(solved.keys() & baseline.keys())
+    if not shared:
+        raise ValueError("the two deployments share no evaluated puzzle")
+    d = [float(solved[p]) - float(baseline[p]) for p in shared]
+    n = len(d)
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else 0.0
+    return PairedDifference(
+        n=n,
+        rate=sum(solved[p] for p in shared) / n,
+        baseline_rate=sum(baseline[p] for p in shared) / n,
+        diff=mean,
+        se=sd / math.sqrt(n),
+    )
+
+
 def deploy_gate(
     candidate: dict[str, bool], live: dict[str, bool], margin: float = 0.02, confidence: float = 0.95
 ) -> GateResult:
     """`candidate`, `live`: puzzle_id -> solved. Only puzzles scored for both count."""
     if not 0 < confidence < 1 or margin < 0:
         raise ValueError(f"need 0 < confidence < 1 and margin >= 0, got {confidence}, {margin}")
-    shared = sorted(candidate.keys() & live.keys())
-    if not shared:
-        raise ValueError("the candidate and the live deployment share no evaluated puzzle")
-    d = [float(candidate[p]) - float(live[p]) for p in shared]
-    n = len(d)
-    mean = sum(d) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else 0.0
-    upper = mean + NormalDist().inv_cdf(confidence) * sd / math.sqrt(n)
+    p = paired_difference(candidate, live)
+    upper = p.diff + NormalDist().inv_cdf(confidence) * p.se
     return GateResult(
         passed=upper >= -margin,
-        n=n,
-        candidate_rate=sum(candidate[p] for p in shared) / n,
-        live_rate=sum(live[p] for p in shared) / n,
-        diff=mean,
+        n=p.n,
+        candidate_rate=p.rate,
+        live_rate=p.baseline_rate,
+        diff=p.diff,
         upper_bound=upper,
         margin=margin,
     )

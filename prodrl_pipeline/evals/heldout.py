@@ -52,3 +52,12 @@ def evaluate(
 
 def solve_rate(rows: Sequence[dict]) -> float:
     return sum(r["solved"] for r in rows) / len(rows) if rows else float("nan")
+
+
+def solve_rates_by_theme(rows: Sequence[dict]) -> dict[str, float]:
+    """Solve rate per puzzle kind (`mateIn1`, `mateIn2`, ...: the theme starting with `mateIn`)."""
+    kinds: dict[str, list[dict]] = {}
+    for r in rows:
+        kind = next((t for t in r["themes"].split() if t.startswith("mateIn")), "other")
+        kinds.setdefault(kind, []).append(r)
+    return {kind: solve_rate(group) for kind, group in sorted(kinds.items())}

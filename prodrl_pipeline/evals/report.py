@@ -7,6 +7,11 @@ from collections.abc import Sequence
 
 import matplotlib
 
+from prodrl_pipeline.evals.gate import PairedDifference, paired_difference
+from prodrl_pipeline.records.queries import stored_results
+from prodrl_pipeline.records.registry import BASE, round_id
+from prodrl_pipeline.records.store import DeltaStore
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -36,3 +41,15 @@ def curves_png(x: Sequence[float], series: dict[str, Sequence[float]], xlabel: s
     fig.savefig(buf, format="png")
     plt.close(fig)
     return buf.getvalue()
+
+
+def gain_over_base(store: DeltaStore, experiment: str, round_: int) -> PairedDifference:
+    """Held-out solve rate of the experiment's round-`round_` deployment against the base
+    deployment's, paired on the same puzzles (its `interval()` is the 95% CI of the gain)."""
+    results = {}
+    for deployment_id in (round_id(experiment, round_), BASE):
+        rows = stored_results(store, deployment_id)
+        if not rows:
+            raise ValueError(f"deployment {deployment_id} has no stored held-out evaluation")
+        results[deployment_id] = {r["puzzle_id"]: r["solved"] for r in rows}
+    return paired_difference(results[round_id(experiment, round_)], results[BASE])

@@ -45,3 +45,13 @@ def round_summary(store: DeltaStore, experiment: str) -> list[dict]:
     if not all(store.exists(t) for t in tables):
         return []
     return run_sql(store, "round_summary", tables, experiment=experiment).to_pylist()
+
+
+def stored_results(store: DeltaStore, deployment_id: str) -> list[dict]:
+    """The latest stored held-out evaluation of a deployment, one row per puzzle (empty if never
+    evaluated)."""
+    if not store.exists("eval_results"):
+        return []
+    rows = [r for r in store.read("eval_results").to_pylist() if r["deployment_id"] == deployment_id]
+    last = max((r["round"] for r in rows), default=None)
+    return [r for r in rows if r["round"] == last]

@@ -3,7 +3,7 @@ from statistics import NormalDist
 
 import pytest
 
-from prodrl_pipeline.evals.gate import deploy_gate
+from prodrl_pipeline.evals.gate import deploy_gate, paired_difference
 
 
 def _rows(solved: list[int]) -> dict[str, bool]:
@@ -34,3 +34,13 @@ def test_only_shared_puzzles_count_and_bad_arguments():
         deploy_gate({"a": True}, {"b": True})
     with pytest.raises(ValueError):
         deploy_gate({"a": True}, {"a": True}, confidence=1.5)
+
+
+def test_paired_difference_interval_by_hand():
+    base = _rows([1] * 30 + [0] * 70)
+    run = _rows([1] * 25 + [0] * 5 + [1] * 20 + [0] * 50)  # 5 lost, 20 gained: d = +0.15
+    p = paired_difference(run, base)
+    sd = math.sqrt((20 * (1 - 0.15) ** 2 + 5 * (-1 - 0.15) ** 2 + 75 * 0.15**2) / 99)
+    lo, hi = p.interval(0.95)
+    assert p.diff == pytest.approx(0.15) and p.rate == pytest.approx(0.45) and p.baseline_rate == 0.3
+    assert (lo, hi) == pytest.approx((0.15 - 1.959964 * sd / 10, 0.15 + 1.959964 * sd / 10))

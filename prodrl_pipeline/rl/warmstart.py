@@ -1,0 +1,163 @@
+"""A supervised warm start: the lab's base model learns from solved puzzle transcripts.
+
+Production RL starts from a model that is already decent and peaked; a randomly initialised lab
+model solves ~2% and its policy is flat, the regime where engine mismatch and estimator choice
+matter least. The warm start trains theta_0 by next-token cross-entropy on the completions of solved
+transcripts of the `warmup` split (disjoint by source game and position from the RL training and
+held-out splits): each player turn is one example, its prompt rendered exactly as the engine sees
+it and its completion exactly the token ids the structured-output constraint lets the engine emit
+for the solution move. As served, the policy at a position is pi renormalized over what the
+constraint allows there (pi_S, the legal moves), so the loss is -sum_t log pi_S(a_t) over a turn's
+free positions (forced wrapper tokens have log pi_S = 0), averaged over turns: the same log pi_S the
+RL trainer optimizes. Deterministic for a seed (one fixed shuffle, seeded initialisation, CPU
+arithmetic).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import chess
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from prodrl_pipeline.engine.constraints import ChoiceConstraint, tool_call_ids, tool_choice_constraint
+from prodrl_pipeline.envs.chat import render_ids
+from prodrl_pipeline.envs.chess_env import ChessEpisode, move_text, tool_call_message
+from prodrl_pipeline.envs.puzzles import Puzzle
+from prodrl_pipeline.rl.logprobs import Sequences, token_logprobs
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """How the base model is warm-started (steps = 0: keep the random initialisation)."""
+
+    steps: int = 300
+    """Adam steps."""
+    batch_size: int = 64
+    """Player turns per step."""
+    lr: float = 2e-3
+    """Adam learning rate (betas 0.9, 0.99), constant."""
+    seed: int = 0
+    """Seed of the example shuffle."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
+            raise ValueError(
+                f"warm start needs steps >= 0, batch_size >= 1, lr > 0; got {self.steps}, "
+                f"{self.batch_size}, {self.lr}"
+            )
+
+
+@dataclass(frozen=True)
+class Turn:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    supports: list[list[int]]  # per completion position: the ids the constraint allows there
+
+
+def solved_turns(tokenizer: PreTrainedTokenizerBase, puzzles: Sequence[Puzzle]) -> list[Turn]:
+    """Every player turn of every puzzle's solution, with the constraint's support per position."""
+    turns = []
+    for puzzle in puzzles:
+        episode = ChessEpisode(puzzle)
+        while not episode.done:
+            move = move_text(episode.board, chess.Move.from_uci(puzzle.moves[episode.ply]))
+            state = tool_choice_constraint(tokenizer, "move", "move", episode.allowed_moves()).root
+            completion = tool_call_ids(tokenizer, "move", "move", move)
+            supports = []
+            for tok in completion:
+                supports.append(sorted(state))
+                state = ChoiceConstraint.advance(state, tok)
+            turns.append(Turn(render_ids(tokenizer, episode.messages), list(completion), supports))
+            episode.step(tool_call_message(move))
+    return turns
+
+
+def _sequences(turns: Sequence[Turn], pad_id: int) -> Sequences:
+    """The turns' free positions (more than one allowed token) as a trainer batch."""
+    width = max(len(t.prompt_ids) + len(t.completion_ids) for t in turns)
+    ids = torch.full((len(turns), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(turns), width), dtype=torch.long)
+    rows, pos, targets, supports = [], [], [], []
+    for n, t in enumerate(turns):
+        seq = t.prompt_ids + t.completion_ids
+        ids[n, : len(seq)] = torch.tensor(seq)
+        mask[n, : len(seq)] = 1
+        for i, (tok, support) in enumerate(zip(t.completion_ids, t.supports, strict=True)):
+            if len(support) > 1:
+                rows.append(n)
+                pos.append(len(t.prompt_ids) + i - 1)
+                targets.append(tok)
+                supports.append(support)
+    n_tok = len(targets)
+    target = torch.tensor(targets)
+    return Sequences(
+        input_ids=ids,
+        attention_mask=mask,
+        token_row=torch.tensor(rows),
+        token_pos=torch.tensor(pos),
+        token_ids=target,
+        temperature=torch.ones(n_tok),
+        support=supports,
+        deployment_logprobs=torch.zeros(n_tok),
+        head_ids=target[:, None],
+        head_mask=torch.ones((n_tok, 1), dtype=torch.bool),
+        head_deployment_logprobs=torch.zeros((n_tok, 1)),
+        extra_ids=torch.zeros((n_tok, 0), dtype=torch.long),
+    )
+
+
+def _step_loss(
+    model: PreTrainedModel, turns: Sequence[Turn], pad_id: int, microbatch: int
+) -> tuple[float, float]:
+    """Backpropagate -sum log pi_S over free positions, averaged over turns, in microbatches of
+    similar length (padding to the longest prompt of the whole batch would double the cost).
+    Returns the loss and the mean pi_S of the solution tokens (how peaked the served policy is)."""
+    by_length = sorted(turns, key=lambda t: len(t.prompt_ids) + len(t.completion_ids))
+    loss, probs = 0.0, []
+    for start in range(0, len(by_length), microbatch):
+        lp = token_logprobs(model, _sequences(by_length[start : start + microbatch], pad_id)).logprobs
+        part = -lp.sum() / len(turns)
+        part.backward()
+        loss += part.item()
+        probs.append(lp.detach().exp())
+    return loss, float(torch.cat(probs).mean())
+
+
+def warm_start(
+    model: PreTrainedModel,
+    turns: Sequence[Turn],
+    cfg: WarmStartConfig,
+    pad_id: int,
+    progress: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Train `model` in place; one row per step (loss, mean pi_S of the solution tokens, seconds)."""
+    if cfg.steps and not turns:
+        raise ValueError("the warm start has no solved turns to learn from")
+    order = list(range(len(turns)))
+    random.Random(cfg.seed).shuffle(order)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99))
+    model.eval()  # no dropout in Qwen3; train mode only slows the CPU attention backward
+    rows = []
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        start = (step * cfg.batch_size) % len(order)
+        batch = [turns[order[(start + i) % len(order)]] for i in range(cfg.batch_size)]
+        opt.zero_grad(set_to_none=True)
+        loss, solution_prob = _step_loss(model, batch, pad_id, microbatch=16)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        row = {
+            "step": step + 1,
+            "loss": loss,
+            "solution_prob": solution_prob,
+            "seconds": time.perf_counter() - t0,
+        }
+        rows.append(row)
+        if progress:
+            progress(row)
+    return rows
