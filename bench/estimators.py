@@ -25,7 +25,7 @@ from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, policy_logprobs, train_round
 
 ESTIMATORS = {
-    "reinforce": EstimatorConfig(),
+    "reinforce": EstimatorConfig(type="reinforce"),
     "token_is": EstimatorConfig(type="token_is"),
     "token_is + trust region": EstimatorConfig(type="token_is", trust_region=True),
     "tis_ppo": EstimatorConfig(type="tis_ppo"),

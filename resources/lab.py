@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from dagster import Config, ConfigurableResource
+from dagster import ConfigurableResource
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.processing import SamplingParams
@@ -19,6 +19,7 @@ from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.trainer import TrainerConfig
 from prodrl_pipeline.rl.warmstart import WarmStartConfig
+from resources.config import config_class
 
 
 @lru_cache(maxsize=4)
@@ -31,22 +32,7 @@ def _puzzles(data_dir: str, split: str) -> tuple[Puzzle, ...]:
     return tuple(iter_lab_puzzles(data_dir, split))
 
 
-class EstimatorSettings(Config):
-    """Dagster config of `rl.estimators.EstimatorConfig` (same fields, same meaning)."""
-
-    type: Literal["reinforce", "token_is", "tis_ppo", "ref_is", "score_centering"] = "reinforce"
-    is_cap: float = 2.0
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    trust_region: bool = False
-    trust_region_delta: float = 3e-3
-    centering: Literal["head", "samples"] = "head"
-    truncated_is: bool = False
-    kl_beta: float = 0.0
-
-    def resolve(self) -> EstimatorConfig:
-        """The validated library config; raises ValueError saying what to change."""
-        return EstimatorConfig(**self.model_dump())
+EstimatorSettings = config_class(EstimatorConfig)
 
 
 class LabResource(ConfigurableResource):
@@ -75,7 +61,7 @@ class LabResource(ConfigurableResource):
     num_kv_heads: int = 2
     intermediate_size: int = 384
     model_seed: int = 0
-    warm_start_steps: int = 300
+    warm_start_steps: int = 200
     """Supervised warm start of the lab's base model on solved transcripts of the `warmup` puzzles
     (0 keeps the random initialisation). Ignored with `base_checkpoint`."""
     warm_start_lr: float = 2e-3
@@ -113,6 +99,8 @@ class LabResource(ConfigurableResource):
     """B: trajectories per step; a round collects S*B."""
     lr: float = 5e-4
     grad_clip: float = 1.0
+    # Dagster rebuilds a nested config default from its class, not from this instance: the default
+    # estimator (the recipe's score centering) is therefore the library's own default.
     estimator: EstimatorSettings = EstimatorSettings()
     """Default estimator; a run can override it (config of the `checkpoint` asset)."""
     extra_samples: int = 0

@@ -8,6 +8,13 @@ import math
 from collections import defaultdict
 from datetime import UTC, datetime
 
+HEAD_MASS_TOLERANCE = 1e-4  # log-space slack for float32 rounding of recorded head probabilities
+
+
+def _logsumexp(xs: list[float]) -> float:
+    top = max(xs)
+    return top + math.log(sum(math.exp(x - top) for x in xs))
+
 
 def call_problem(call: dict) -> str | None:
     """The first contract rule `call` breaks, or None."""
@@ -40,9 +47,15 @@ def call_problem(call: dict) -> str | None:
             return f"position {t}: support size {size} outside [{len(head)}, {vocab}]"
         if len(head) < size < vocab and len(support) != size:
             return f"position {t}: restricted support of {size} tokens is not recorded"
-        kept = support if support else (head if size <= len(head) else None)
+        if any(x is None or not math.isfinite(x) or x > HEAD_MASS_TOLERANCE for x in head_lp):
+            return f"position {t}: a head log-prob is not finite and <= 0"
+        if _logsumexp(head_lp) > HEAD_MASS_TOLERANCE:
+            return f"position {t}: the head's probabilities sum to more than 1"
+        kept = set(support) if support else (set(head) if size <= len(head) else None)
         if kept is not None and any(v not in kept for v in [tok, *(extra[t] if extra else [])]):
             return f"position {t}: a sampled id is outside the recorded support"
+        if kept is not None and any(v not in kept for v in head):
+            return f"position {t}: a head id is outside the recorded support"
     return None
 
 

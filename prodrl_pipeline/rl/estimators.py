@@ -26,8 +26,8 @@ MAX_LOG_RATIO = 20.0  # keeps exp() of a log-ratio finite; ratios beyond e^20 ar
 class EstimatorConfig:
     """Which estimator, and its parameters. Validated at construction."""
 
-    type: Literal["reinforce", "token_is", "tis_ppo", "ref_is", "score_centering"] = "reinforce"
-    """The per-token estimator (see docs/estimators.md)."""
+    type: Literal["reinforce", "token_is", "tis_ppo", "ref_is", "score_centering"] = "score_centering"
+    """The per-token estimator (see docs/estimators.md); the default is the recipe's."""
     is_cap: float = 2.0
     """C: truncation of importance weights (tis_ppo, ref_is, score_centering with truncated_is)."""
     eps_low: float = 0.2
@@ -78,6 +78,7 @@ class TokenInputs:
     tail_logprobs: torch.Tensor | None = None  # [N] log pi_S(S minus H), with gradient; -inf if S is in H
     head_deployment_logprobs: torch.Tensor | None = None  # [N, K] recorded log mu of the head (-inf = pad)
     extra_logprobs: torch.Tensor | None = None  # [N, M] log pi_S of the deployment's extra samples
+    complement_logprobs: torch.Tensor | None = None  # [N] log(1 - pi_S(a)), exact near pi_S(a) = 1
     reference_logprobs: torch.Tensor | None = None  # log ref(a|h) over S from the dequantized deployment
 
 
@@ -85,6 +86,8 @@ Diagnostics = dict[str, torch.Tensor]
 
 
 def _ratio(log_num: torch.Tensor, log_den: torch.Tensor) -> torch.Tensor:
+    """exp(log_num - log_den) with the log-ratio clamped to +-MAX_LOG_RATIO: beyond it the ratio
+    and its gradient are constant (the IS weights that use it are truncated or clipped far below)."""
     return torch.exp((log_num - log_den).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
@@ -95,12 +98,19 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def bernoulli_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """KL(Bernoulli(p) || Bernoulli(q)) from log p, log q, in log space: exact for probabilities
-    near 0 or 1 (no clamping). +inf where q = 1 > p; 0 terms where p is 0 or 1."""
+def bernoulli_kl(
+    log_p: torch.Tensor, log_q: torch.Tensor, log1m_q: torch.Tensor | None = None
+) -> torch.Tensor:
+    """KL(Bernoulli(p) || Bernoulli(q)) in log space, no clamping. `log1m_q` = log(1 - q) when known
+    exactly (a float32 log q rounds to 0 once 1 - q < 6e-8); then log q is taken from it where
+    q > 1/2. Without it log(1 - q) = log1mexp(log q). +inf where q = 1 > p; 0 terms where p is 0 or 1."""
+    if log1m_q is None:
+        log1m_q = log1mexp(log_q)
+    else:
+        log_q = torch.where(log1m_q < -math.log(2.0), log1mexp(log1m_q), log_q)
     p = log_p.exp()
     first = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p))
-    second = torch.where(p < 1, (1 - p) * (log1mexp(log_p) - log1mexp(log_q)), torch.zeros_like(p))
+    second = torch.where(p < 1, (1 - p) * (log1mexp(log_p) - log1m_q), torch.zeros_like(p))
     return first + second
 
 
@@ -119,7 +129,9 @@ def token_is(x: TokenInputs, cfg: EstimatorConfig) -> tuple[torch.Tensor, Diagno
     objective = w * x.advantages * x.logprobs
     diag: Diagnostics = {}
     if cfg.trust_region:
-        kl = bernoulli_kl(x.deployment_logprobs, x.logprobs.detach())
+        if x.complement_logprobs is None:
+            raise ValueError("the trust region needs complement_logprobs, log(1 - pi_S(a)), from the trainer")
+        kl = bernoulli_kl(x.deployment_logprobs, x.logprobs.detach(), x.complement_logprobs)
         kl = torch.where(x.free, kl, torch.zeros_like(kl))
         n = int(x.trajectory.max()) + 1
         total = kl.new_zeros(n).index_add(0, x.trajectory, kl)

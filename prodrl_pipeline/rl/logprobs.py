@@ -10,6 +10,8 @@ distribution every estimator compares with mu (mu is 0 outside S), and gathers, 
 - `tail_logprobs`: log pi_S(S minus H), the mass pi_S puts outside the head, computed in log space by
   a logsumexp over S minus H (no 1 - sum cancellation); -inf where S fits in H;
 - `extra_logprobs` [Ntok, M]: log pi_S of the M extra tokens the engine sampled;
+- `complement_logprobs`: log(1 - pi_S(a)) as a logsumexp over S minus {a} (exact where float32
+  rounds pi_S(a) to 1; no gradient; the trust region's Bernoulli-KL needs it);
 - `full_logprobs`: log pi(a|h) over the whole vocabulary (a diagnostic: log pi_S - log pi = -log pi(S));
 - `entropy`: entropy of pi_S.
 """
@@ -111,6 +113,7 @@ class TokenLogprobs:
     head_logprobs: torch.Tensor  # [Ntok, K] log pi_S of mu's recorded head H (padding: anything)
     tail_logprobs: torch.Tensor  # [Ntok] log pi_S(S minus H), -inf where S is inside H
     extra_logprobs: torch.Tensor  # [Ntok, M] log pi_S of the deployment's extra samples
+    complement_logprobs: torch.Tensor  # [Ntok] log(1 - pi_S(a)), -inf for a forced token (no gradient)
     full_logprobs: torch.Tensor  # [Ntok] log pi(a|h) over the vocabulary
     entropy: torch.Tensor  # [Ntok] entropy of pi_S (no gradient)
 
@@ -183,7 +186,8 @@ def _chunk_logprobs(
     with torch.no_grad():
         p = kept.exp()
         entropy = -(p * kept.masked_fill(p == 0, 0.0)).sum(-1)
-    return lp, kept.gather(1, head_ids), tail, kept.gather(1, extra_ids), full, entropy
+        complement = kept.scatter(1, token_ids[:, None], float("-inf")).logsumexp(-1)
+    return lp, kept.gather(1, head_ids), tail, kept.gather(1, extra_ids), complement, full, entropy
 
 
 def _support_mask(support: list[list[int] | None], vocab: int) -> torch.Tensor | None:  # [c, V]

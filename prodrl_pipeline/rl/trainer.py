@@ -88,7 +88,8 @@ def policy_logprobs(
 ) -> dict[str, torch.Tensor]:
     """log pi of every completion token over its recorded support, per call_id ([T] each): pi_k
     with theta_k before the first step (`fake_quant` = cfg.qat), or the reference from the already
-    dequantized deployment (`fake_quant` = False: quantizing W_hat again would change it)."""
+    dequantized deployment (`fake_quant` = False: the reference is W_hat as served, not a second
+    round trip of it)."""
     out = {}
     w_hat = served_weights(model) if fake_quant else None
     for mb in _microbatches(calls, cfg.microbatch_calls):
@@ -162,6 +163,7 @@ def train_round(
                 tail_logprobs=lp.tail_logprobs,
                 head_deployment_logprobs=seqs.head_deployment_logprobs,
                 extra_logprobs=lp.extra_logprobs,
+                complement_logprobs=lp.complement_logprobs,
                 reference_logprobs=torch.cat([reference[c["call_id"]] for c in micro]) if reference else None,
             )
             weight = torch.tensor([1.0 / (n_traj * length[t]) for t in owner])

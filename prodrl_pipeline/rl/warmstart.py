@@ -94,12 +94,12 @@ def _sequences(turns: Sequence[Turn], pad_id: int) -> Sequences:
                 targets.append(tok)
                 supports.append(support)
     n_tok = len(targets)
-    target = torch.tensor(targets)
+    target = torch.tensor(targets, dtype=torch.long)
     return Sequences(
         input_ids=ids,
         attention_mask=mask,
-        token_row=torch.tensor(rows),
-        token_pos=torch.tensor(pos),
+        token_row=torch.tensor(rows, dtype=torch.long),
+        token_pos=torch.tensor(pos, dtype=torch.long),
         token_ids=target,
         temperature=torch.ones(n_tok),
         support=supports,

@@ -54,6 +54,9 @@ BAD = {
     "greedy": _call(
         "b7", sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "seed": 0}
     ),
+    "head outside support": _call("b8", topk_token_ids=[[4, 8], [5]]),
+    "head -inf": _call("b9", topk_logprobs=[[-0.5, float("-inf")], [0.0]]),
+    "head mass > 1": _call("b10", topk_logprobs=[[-0.5, -0.2], [0.0]]),
 }
 
 
@@ -71,6 +74,8 @@ def test_good_records_pass_and_each_broken_rule_is_rejected_with_its_reason():
     assert "reward" in rejected_trajs["unscored"] and "n_calls" in rejected_trajs["miscounted"]
     assert "support" in rejected_trajs["b5"] and "outside" in rejected_trajs["b6"]
     assert "greedy" in rejected_trajs["b7"]
+    assert "head id is outside" in rejected_trajs["b8"] and "head log-prob" in rejected_trajs["b9"]
+    assert "sum to more than 1" in rejected_trajs["b10"]
     # every call of a rejected trajectory is rejected too: nothing of it is trained on
     assert {r["record_id"] for r in rejects if r["table_name"] == "calls"} == {
         c["call_id"] for c in calls if c["trajectory_id"] != "g"

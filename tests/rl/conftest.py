@@ -75,4 +75,5 @@ def token_inputs(theta, tokens, log_mu, support=None, head=None, log_pik=None, a
         tail_logprobs=lp.tail_logprobs,
         head_deployment_logprobs=seqs.head_deployment_logprobs,
         extra_logprobs=lp.extra_logprobs,
+        complement_logprobs=lp.complement_logprobs,
     )

@@ -54,7 +54,7 @@ def test_score_centering_full_head_with_mu_equal_pi_is_reinforce():
     log_mu = theta.log_softmax(0)
     for a in range(V):
         centered = _objective_grad(theta, a, log_mu, CENTERING)
-        plain = _objective_grad(theta, a, log_mu, EstimatorConfig())
+        plain = _objective_grad(theta, a, log_mu, EstimatorConfig(type="reinforce"))
         torch.testing.assert_close(centered, plain, rtol=0, atol=1e-12)
 
 
@@ -105,7 +105,8 @@ def test_truncated_centering_with_a_partial_head_has_zero_expectation_under_mu()
 def test_centering_changes_the_gradient_when_mu_differs_from_pi():
     theta, log_mu = _dist(0), _dist(9)
     assert (
-        _objective_grad(theta, 2, log_mu, CENTERING) - _objective_grad(theta, 2, log_mu, EstimatorConfig())
+        _objective_grad(theta, 2, log_mu, CENTERING)
+        - _objective_grad(theta, 2, log_mu, EstimatorConfig(type="reinforce"))
     ).abs().max() > 1e-3
 
 
@@ -159,6 +160,7 @@ def test_token_is_weight_and_sequence_trust_region():
     lmu = torch.log(torch.tensor([0.5, 0.25, 0.4, 0.3]))
     traj = torch.tensor([0, 0, 1, 1])
     x = TokenInputs(lp, lmu, lp.detach(), torch.ones(4), traj, torch.ones(4, dtype=torch.bool))
+    x.complement_logprobs = torch.log1p(-lp.detach().exp())
     j, _ = objective(x, EstimatorConfig(type="token_is"))
     (g,) = torch.autograd.grad(j.sum(), lp)
     torch.testing.assert_close(g, torch.tensor([1.0, 2.0, 1.0, 3.0]))  # sg(pi/mu) * A
@@ -184,8 +186,8 @@ def test_token_is_weight_and_sequence_trust_region():
         ({"is_cap": 0}, "is_cap"),
         ({"eps_low": 1.0}, "eps_low"),
         ({"kl_beta": -1}, "kl_beta"),
-        ({"trust_region": True}, "token_is"),
-        ({"truncated_is": True}, "score_centering"),
+        ({"type": "reinforce", "trust_region": True}, "token_is"),
+        ({"type": "tis_ppo", "truncated_is": True}, "score_centering"),
         ({"type": "tis_ppo", "centering": "samples"}, "centering"),
     ],
 )
@@ -214,6 +216,8 @@ def test_ref_is_weights_by_the_reference_not_by_mu_and_kl_beta_pulls_toward_pi_k
     torch.testing.assert_close(g_tis, torch.tensor([0.5, 0.5]))  # rho = pi_k / mu
     # the KL term is subtracted: where pi > pi_k, beta > 0 lowers log pi's gradient
     x.logprobs = torch.log(torch.tensor([0.5, 0.5])).requires_grad_(True)
-    (g0,) = torch.autograd.grad(objective(x, EstimatorConfig())[0].sum(), x.logprobs)
-    (g1,) = torch.autograd.grad(objective(x, EstimatorConfig(kl_beta=0.5))[0].sum(), x.logprobs)
+    (g0,) = torch.autograd.grad(objective(x, EstimatorConfig(type="reinforce"))[0].sum(), x.logprobs)
+    (g1,) = torch.autograd.grad(
+        objective(x, EstimatorConfig(type="reinforce", kl_beta=0.5))[0].sum(), x.logprobs
+    )
     assert torch.all(g1 < g0)

@@ -152,7 +152,9 @@ def test_head_covering_the_support_with_mu_equal_pi_s_is_reinforce(restriction):
     support = _support(log_mu)
     for a in support:
         centered = _estimator_grad(theta, a, log_mu, CENTERING, _head(log_mu, len(support)))
-        plain = _estimator_grad(theta, a, log_mu, EstimatorConfig(), _head(log_mu, len(support)))
+        plain = _estimator_grad(
+            theta, a, log_mu, EstimatorConfig(type="reinforce"), _head(log_mu, len(support))
+        )
         torch.testing.assert_close(centered, plain, rtol=0, atol=1e-12)
 
 
@@ -191,3 +193,25 @@ def test_bernoulli_kl_in_log_space_matches_exact_values_near_one():
     assert bernoulli_kl(torch.tensor([0.0]), torch.tensor([math.log(0.5)])).item() == pytest.approx(
         math.log(2)
     )
+
+
+def test_trust_region_keeps_a_trajectory_whose_pi_rounds_to_one_in_float32():
+    """pi_S(a) = 1 - 3e-8 (log pi_S(a) rounds to 0.0 in float32), mu(a) = 1 - 1e-6: the true
+    Bernoulli-KL is 2.5e-6, far below delta; reading pi(a) = 1 would make it +inf and drop it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        theta = torch.zeros(V)
+        theta[0] = math.log((1 - 3e-8) / 3e-8 * (V - 1))  # pi(0) = 1 - 3e-8
+        log_mu = torch.full((V,), math.log(1e-6 / (V - 1)))
+        log_mu[0] = math.log1p(-1e-6)
+        x = token_inputs(theta, [0], log_mu, head=list(range(V)))
+        assert x.logprobs.item() == 0.0  # the float32 rounding the estimator must not trust
+        _, diag = objective(x, EstimatorConfig(type="token_is", trust_region=True, trust_region_delta=3e-3))
+        assert not diag["dropped"].any()
+        kl = bernoulli_kl(x.deployment_logprobs.double(), x.logprobs.double(), x.complement_logprobs.double())
+        p, q_rest = log_mu[0].double().exp().item(), theta.double().softmax(0)[1:].sum().item()
+        exact = p * math.log(p / (1 - q_rest)) + (1 - p) * math.log((1 - p) / q_rest)  # float64, by hand
+        assert kl.item() == pytest.approx(exact, rel=1e-3) and 1e-6 < exact < 1e-5
+    finally:
+        torch.set_default_dtype(previous)

@@ -52,7 +52,7 @@ def _grads_after_one_step(model, calls, adv, microbatch_calls, estimator=None, q
         batch_size=len(adv),
         microbatch_calls=microbatch_calls,
         lr=1e-3,
-        estimator=estimator or EstimatorConfig(),
+        estimator=estimator or EstimatorConfig(type="reinforce"),
         qat=qat,
     )
     opt = make_optimizer(model, cfg, None)
@@ -72,7 +72,7 @@ def _grads_after_one_step(model, calls, adv, microbatch_calls, estimator=None, q
 
 
 ALL_ESTIMATORS = [
-    EstimatorConfig(),
+    EstimatorConfig(type="reinforce"),
     EstimatorConfig(type="token_is", trust_region=True),
     EstimatorConfig(type="tis_ppo", kl_beta=0.1),
     EstimatorConfig(type="ref_is"),
