@@ -19,6 +19,7 @@ STEP_COLUMNS = [
     "step",
     "reward_mean",
     "loss",
+    "lr",
     "grad_norm",
     "entropy",
     "engine_mismatch",

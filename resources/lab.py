@@ -98,6 +98,8 @@ class LabResource(ConfigurableResource):
     batch_size: int = 64
     """B: trajectories per step; a round collects S*B."""
     lr: float = 5e-4
+    warmup_steps: int = 16
+    """Linear learning-rate warm-up over the run's first optimizer steps (0: none)."""
     grad_clip: float = 1.0
     # Dagster rebuilds a nested config default from its class, not from this instance: the default
     # estimator (the recipe's score centering) is therefore the library's own default.
@@ -105,7 +107,7 @@ class LabResource(ConfigurableResource):
     """Default estimator; a run can override it (config of the `checkpoint` asset)."""
     extra_samples: int = 0
     """M: extra tokens the engine samples per position (score centering's samples form)."""
-    microbatch_calls: int = 64
+    microbatch_calls: int = 16
     seed: int = 0
     """Seed of puzzle sampling, engine sampling and minibatch shuffles."""
 
@@ -137,6 +139,7 @@ class LabResource(ConfigurableResource):
             steps=self.steps,
             batch_size=self.batch_size,
             lr=self.lr,
+            warmup_steps=self.warmup_steps,
             grad_clip=self.grad_clip,
             estimator=(estimator or self.estimator).resolve(),
             microbatch_calls=self.microbatch_calls,

@@ -1,4 +1,4 @@
--- Advantages of one round (DESIGN.md §4): A_i = R_i - b, b = the mean reward of i's minibatch.
+-- Advantages of one round (docs/estimators.md): A_i = R_i - b, b = the mean reward of i's minibatch.
 -- Scored trajectories are shuffled by a seeded hash of their id, cut into minibatches of
 -- {batch_size}, and the first {steps} minibatches are kept: one row per trained trajectory.
 WITH scored AS (

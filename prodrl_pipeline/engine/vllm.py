@@ -1,6 +1,6 @@
 """vLLM as the deployment engine (GPU): a client of a vLLM OpenAI server started for recording.
 
-Start the server on the deployment export (ENGINES.md):
+Start the server on the deployment export (docs/engines.md):
 
     vllm serve EXPORT_DIR --logprobs-mode processed_logprobs --max-logprobs 21 --generation-config vllm
 

@@ -1,7 +1,7 @@
 """NVFP4 deployment export (ModelOpt's `NVFP4QTensor`, which runs on CPU) and its dequantized load.
 
 Every linear layer of the transformer blocks is quantized; embeddings, norms and `lm_head` stay
-in full precision (ENGINES.md). Per linear: `weight` uint8 [out, in/2] (two E2M1 codes a byte),
+in full precision (docs/engines.md). Per linear: `weight` uint8 [out, in/2] (two E2M1 codes a byte),
 `weight_scale` FP8 E4M3 [out, in/16], `weight_scale_2` FP32 scalar; q/k/v share one
 `weight_scale_2`, and so do gate/up (vLLM fuses them). The export directory mirrors ModelOpt's HF
 export (`hf_quant_config.json`), and the embedded engine serves the dequantized weights W_hat, so

@@ -83,6 +83,7 @@ TRAIN_STEPS = pa.schema(
         ("n_tokens", pa.int64()),
         ("reward_mean", pa.float64()),
         ("loss", pa.float64()),
+        ("lr", pa.float64()),  # the step's learning rate (after warm-up)
         ("grad_norm", pa.float64()),
         ("entropy", pa.float64()),
         ("engine_mismatch", pa.float64()),  # mean |log pi_k - log mu| over sampled tokens
