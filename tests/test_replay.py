@@ -67,7 +67,7 @@ def test_replay_is_in_order_and_bit_identical_and_counterfactual_leaves_the_orig
             for exp in ("main", "cf-tis")
         }
         assert {exp: m["trainer"]["estimator"]["type"] for exp, m in meta_of.items()} == {
-            "main": "reinforce",
+            "main": "score_centering",  # the default estimator
             "cf-tis": "tis_ppo",
         }
         meta = instance.get_latest_materialization_event(
