@@ -89,8 +89,12 @@ def _warm_start(
     if cfg.steps == 0:
         return []
     tok = lab.tokenizer()
-    turns = solved_turns(tok, lab.puzzles("warmup"))
-    context.log.info(f"warm start: {cfg.steps} steps of {cfg.batch_size} over {len(turns)} solved turns")
+    puzzles = cfg.demonstrations(lab.puzzles("warmup"))
+    turns = solved_turns(tok, puzzles)
+    context.log.info(
+        f"warm start: {cfg.steps} steps of {cfg.batch_size} over {len(turns)} solved turns "
+        f"of {len(puzzles)} warmup puzzles"
+    )
 
     def progress(row: dict) -> None:
         if row["step"] % 25 == 0 or row["step"] == cfg.steps:

@@ -61,9 +61,12 @@ class LabResource(ConfigurableResource):
     num_kv_heads: int = 2
     intermediate_size: int = 384
     model_seed: int = 0
-    warm_start_steps: int = 200
+    warm_start_steps: int = 40
     """Supervised warm start of the lab's base model on solved transcripts of the `warmup` puzzles
     (0 keeps the random initialisation). Ignored with `base_checkpoint`."""
+    warm_start_puzzles: int = 500
+    """Demonstrations for the warm start: the first N warmup puzzles (0 = all 4,974). A small set
+    learned to a peak leaves the base decent and peaked, with room for RL on traffic."""
     warm_start_lr: float = 2e-3
     warm_start_batch: int = 64
     """Player turns per warm-start step."""
@@ -124,6 +127,7 @@ class LabResource(ConfigurableResource):
     def warm_start(self) -> WarmStartConfig:
         return WarmStartConfig(
             steps=self.warm_start_steps,
+            puzzles=self.warm_start_puzzles,
             batch_size=self.warm_start_batch,
             lr=self.warm_start_lr,
             seed=self.seed,

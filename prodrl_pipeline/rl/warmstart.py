@@ -37,6 +37,8 @@ class WarmStartConfig:
 
     steps: int = 300
     """Adam steps."""
+    puzzles: int = 0
+    """Demonstrations: the first `puzzles` of the warmup split in file order (0 = all of it)."""
     batch_size: int = 64
     """Player turns per step."""
     lr: float = 2e-3
@@ -45,11 +47,15 @@ class WarmStartConfig:
     """Seed of the example shuffle."""
 
     def __post_init__(self) -> None:
-        if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
+        if self.steps < 0 or self.puzzles < 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(
-                f"warm start needs steps >= 0, batch_size >= 1, lr > 0; got {self.steps}, "
-                f"{self.batch_size}, {self.lr}"
+                f"warm start needs steps >= 0, puzzles >= 0, batch_size >= 1, lr > 0; got "
+                f"{self.steps}, {self.puzzles}, {self.batch_size}, {self.lr}"
             )
+
+    def demonstrations(self, warmup: Sequence[Puzzle]) -> Sequence[Puzzle]:
+        """The warmup puzzles the warm start learns from."""
+        return warmup[: self.puzzles or None]
 
 
 @dataclass(frozen=True)

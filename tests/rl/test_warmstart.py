@@ -1,5 +1,6 @@
 import copy
 
+import pytest
 import torch
 
 from prodrl_pipeline.engine.constraints import tool_choice_constraint
@@ -33,3 +34,11 @@ def test_warm_start_learns_and_is_deterministic(tiny_model, tokenizer, train_puz
     # memorizing 12 puzzles: the solution's probability among the legal moves rises from ~1/30
     assert rows[0]["solution_prob"] < 0.1 and rows[-1]["solution_prob"] > 0.5
     assert rows[-1]["loss"] < rows[0]["loss"] / 3
+
+
+def test_demonstrations_are_a_prefix_of_the_split_and_bad_settings_are_refused(train_puzzles):
+    assert WarmStartConfig(puzzles=5).demonstrations(train_puzzles) == train_puzzles[:5]
+    assert WarmStartConfig(puzzles=0).demonstrations(train_puzzles) == train_puzzles
+    for bad in ({"puzzles": -1}, {"steps": -1}, {"batch_size": 0}, {"lr": 0.0}):
+        with pytest.raises(ValueError, match="warm start needs"):
+            WarmStartConfig(**bad)
