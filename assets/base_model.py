@@ -3,15 +3,16 @@
 import json
 from dataclasses import asdict
 
-from dagster import AssetExecutionContext, MaterializeResult, asset
+from dagster import AssetExecutionContext, Failure, MaterializeResult, asset
 from transformers import PreTrainedModel
 
 from assets import metadata
 from assets.evaluation import evaluate_deployment
+from prodrl_pipeline.envs.lab_data import base_inputs_digest
 from prodrl_pipeline.evals.heldout import solve_rate, solve_rates_by_theme
 from prodrl_pipeline.model import build_model, load_model, n_parameters
 from prodrl_pipeline.quant.nvfp4 import export_deployment
-from prodrl_pipeline.records.registry import BASE, lookup, register_checkpoint, register_deployment
+from prodrl_pipeline.records.registry import BASE, children, lookup, register_checkpoint, register_deployment
 from prodrl_pipeline.rl.checkpoint import META_FILE, save_checkpoint
 from prodrl_pipeline.rl.warmstart import WarmStartConfig, solved_turns, warm_start
 from resources.lab import LabResource
@@ -34,9 +35,18 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         "model": asdict(lab.tiny_model()),
         "vocab_size": len(tok),
         "warm_start": asdict(warm) if warm else None,
+        "data": None if lab.base_checkpoint else base_inputs_digest(lab.data_dir),
     }
     path = store.path("checkpoints", BASE)
-    cached = (path / META_FILE).exists() and json.loads((path / META_FILE).read_text()) == meta
+    stored = json.loads((path / META_FILE).read_text()) if (path / META_FILE).exists() else None
+    cached = stored == meta
+    if stored is not None and not cached and (trained := children(tables, BASE)):
+        changed = sorted(k for k in meta.keys() | stored.keys() if meta.get(k) != stored.get(k))
+        raise Failure(
+            f"the base model's settings changed ({', '.join(changed)}) but {len(trained)} checkpoint(s) "
+            f"were trained from the stored base ({trained[0]}, ...): rebuilding it would change round 0 "
+            "under them. Use another store root (or `make clean`), or restore the settings."
+        )
     warm_rows: list[dict] = []
     if cached or lab.base_checkpoint:
         model = load_model(path if cached else lab.base_checkpoint)

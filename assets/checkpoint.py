@@ -61,7 +61,7 @@ def _checkpoint_round(
     try:
         cfg = lab.trainer(config.estimator)
     except ValueError as e:
-        raise Failure(description=f"invalid estimator configuration: {e}") from e
+        raise Failure(description=f"invalid trainer configuration: {e}") from e
     served_by = set(tables.read("trajectories", k).column("deployment_id").to_pylist())
     if len(served_by) != 1:
         raise Failure(

@@ -32,7 +32,7 @@ def _puzzles(data_dir: str, split: str) -> tuple[Puzzle, ...]:
     return tuple(iter_lab_puzzles(data_dir, split))
 
 
-EstimatorSettings = config_class(EstimatorConfig)
+EstimatorSettings = config_class(EstimatorConfig, "EstimatorSettings", __name__)
 
 
 class LabResource(ConfigurableResource):
@@ -41,6 +41,7 @@ class LabResource(ConfigurableResource):
     source: Literal["lab", "production"] = "lab"
     """Where a round's trajectories come from: the chess lab, or the capture gateway's landing tables."""
     experiment: str = "main"
+    """Name of the run; checkpoints and deployments are versioned under it."""
     schedule: Literal["sync", "async1"] = "sync"
     """sync: round k collects from round k-1's deployment and trains from its checkpoint. async1
     (one-round asynchronous): round k collects from round k-2's deployment (what was live while
@@ -50,7 +51,6 @@ class LabResource(ConfigurableResource):
     another estimator), following its own checkpoint chain, never collecting and never moving live."""
     compare_to: str = "main"
     """The experiment a counterfactual replay is compared with, side by side, in eval_report."""
-    """Name of the run; checkpoints and deployments are versioned under it."""
     data_dir: str = "data"
     """Shipped puzzles (Lichess CSV) and tokenizer."""
     base_checkpoint: str = ""
@@ -130,7 +130,7 @@ class LabResource(ConfigurableResource):
             puzzles=self.warm_start_puzzles,
             batch_size=self.warm_start_batch,
             lr=self.warm_start_lr,
-            seed=self.seed,
+            seed=self.model_seed,
         )
 
     def sampling(self) -> SamplingParams:
@@ -139,6 +139,8 @@ class LabResource(ConfigurableResource):
         )
 
     def trainer(self, estimator: EstimatorSettings | None = None) -> TrainerConfig:
+        if self.qat and self.quant_format != "nvfp4":
+            raise ValueError(f"qat trains for NVFP4 deployments; quant_format is {self.quant_format!r}")
         return TrainerConfig(
             steps=self.steps,
             batch_size=self.batch_size,
@@ -148,7 +150,7 @@ class LabResource(ConfigurableResource):
             estimator=(estimator or self.estimator).resolve(),
             microbatch_calls=self.microbatch_calls,
             seed=self.seed,
-            qat=self.qat and self.quant_format == "nvfp4",
+            qat=self.qat,
         )
 
     def tokenizer(self) -> PreTrainedTokenizerBase:

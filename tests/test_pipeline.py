@@ -11,7 +11,7 @@ from assets.deployment import deployment
 from assets.eval_report import eval_report
 from assets.partitions import round_key
 from assets.trajectories import trajectories
-from prodrl_pipeline.records.registry import lookup
+from prodrl_pipeline.records.registry import BASE, lookup, register_checkpoint
 from resources.lab import LabResource
 from resources.store import StoreResource
 
@@ -203,6 +203,30 @@ def test_an_invalid_estimator_fails_the_run_with_the_reason(tmp_path):
         assert not result.success
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         assert "trust_region applies to type='token_is'" in str(failure.event_specific_data.error)
+
+
+def test_the_base_is_reused_and_not_rebuilt_under_checkpoints_trained_from_it(tmp_path):
+    resources = _resources(tmp_path)
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        again = materialize([base_model], instance=instance, resources=resources)
+        meta = again.asset_materializations_for_node("base_model")[0].metadata
+        assert meta["cached"].value is True
+        register_checkpoint(
+            resources["store"].tables(),
+            checkpoint_id="main-r000001",
+            round_=1,
+            experiment="main",
+            parent_id=BASE,
+            path=str(tmp_path / "r1"),
+            step=2,
+        )
+        changed = _resources(tmp_path, warm_start_steps=4)
+        result = materialize([base_model], instance=instance, resources=changed, raise_on_error=False)
+        assert not result.success
+        failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+        assert "settings changed (warm_start)" in str(failure.event_specific_data.error)
+        assert "main-r000001" in str(failure.event_specific_data.error)
 
 
 def test_a_failed_deploy_gate_keeps_the_live_pointer(tmp_path):

@@ -9,6 +9,7 @@ generated at run time. Splits: `train` (RL), `warmup` (supervised warm start) an
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from multiprocessing import Pool
@@ -100,6 +101,14 @@ def single_token_share(tokenizer: PreTrainedTokenizerBase, puzzles: Iterable[Puz
                 ones += single[move]
                 total += 1
     return ones / total if total else 0.0
+
+
+def base_inputs_digest(data_dir: str | Path) -> str:
+    """sha256 over the files the lab's base model is built from: the tokenizer and the warmup split."""
+    digest = hashlib.sha256()
+    for name in ("tokenizer/tokenizer.json", "puzzles/warmup.csv"):
+        digest.update((Path(data_dir) / name).read_bytes())
+    return digest.hexdigest()
 
 
 def iter_lab_puzzles(data_dir: str | Path, split: str) -> Iterator[Puzzle]:

@@ -65,6 +65,13 @@ def register_deployment(
     store.overwrite("deployments", [row], f"deployment_id = '{deployment_id}'")
 
 
+def children(store: DeltaStore, checkpoint_id: str) -> list[str]:
+    """The checkpoints trained from `checkpoint_id` (sorted ids)."""
+    return sorted(
+        r["checkpoint_id"] for r in store.read("checkpoints").to_pylist() if r["parent_id"] == checkpoint_id
+    )
+
+
 def lookup(store: DeltaStore, table: str, key: str, value: str) -> dict:
     """The registry row whose `key` equals `value`; KeyError with the known values otherwise."""
     rows = [r for r in store.read(table).to_pylist() if r[key] == value]

@@ -47,6 +47,11 @@ def call_problem(call: dict) -> str | None:
             return f"position {t}: support size {size} outside [{len(head)}, {vocab}]"
         if len(head) < size < vocab and len(support) != size:
             return f"position {t}: restricted support of {size} tokens is not recorded"
+        ids = [*head, *support, *(extra[t] if extra else [])]
+        if any(not 0 <= v < vocab for v in ids):
+            return f"position {t}: a head, support or extra id is outside [0, {vocab})"
+        if len(set(head)) != len(head) or len(set(support)) != len(support):
+            return f"position {t}: repeated ids in the head or the support"
         if any(x is None or not math.isfinite(x) or x > HEAD_MASS_TOLERANCE for x in head_lp):
             return f"position {t}: a head log-prob is not finite and <= 0"
         if _logsumexp(head_lp) > HEAD_MASS_TOLERANCE:

@@ -33,10 +33,10 @@ class TrainerConfig:
     lr: float = 5e-4
     """Adam learning rate."""
     warmup_steps: int = 16
-    """Linear learning-rate warm-up over the run's first optimizer steps (global steps, so only
-    the first round warms up). A fresh Adam's first updates are ~lr * sign(g) on every weight
-    whatever the gradient's size; on a warm-started policy that noise alone moved pi by ~1 nat
-    per token in the first round. 0 disables it."""
+    """Linear learning-rate warm-up over the run's first optimizer steps (global steps: it spans
+    the first rounds until `warmup_steps` steps have been taken). A fresh Adam's first updates are
+    ~lr * sign(g) on every weight whatever the gradient's size; on a warm-started policy that noise
+    alone moved pi by ~1 nat per token in the first round. 0 disables it."""
     beta1: float = 0.9
     """Adam beta1."""
     beta2: float = 0.99

@@ -1,7 +1,7 @@
 """A supervised warm start: the lab's base model learns from solved puzzle transcripts.
 
 Production RL starts from a model that is already decent and peaked; a randomly initialised lab
-model solves ~2% and its policy is flat, the regime where engine mismatch and estimator choice
+model solves ~1% and its policy is flat, the regime where engine mismatch and estimator choice
 matter least. The warm start trains theta_0 by next-token cross-entropy on the completions of solved
 transcripts of the `warmup` split (disjoint by source game and position from the RL training and
 held-out splits): each player turn is one example, its prompt rendered exactly as the engine sees
@@ -35,9 +35,9 @@ from prodrl_pipeline.rl.logprobs import Sequences, token_logprobs
 class WarmStartConfig:
     """How the base model is warm-started (steps = 0: keep the random initialisation)."""
 
-    steps: int = 300
+    steps: int = 40
     """Adam steps."""
-    puzzles: int = 0
+    puzzles: int = 500
     """Demonstrations: the first `puzzles` of the warmup split in file order (0 = all of it)."""
     batch_size: int = 64
     """Player turns per step."""

@@ -57,6 +57,12 @@ BAD = {
     "head outside support": _call("b8", topk_token_ids=[[4, 8], [5]]),
     "head -inf": _call("b9", topk_logprobs=[[-0.5, float("-inf")], [0.0]]),
     "head mass > 1": _call("b10", topk_logprobs=[[-0.5, -0.2], [0.0]]),
+    # unrestricted support (size = vocab): nothing but the vocabulary bounds the head's ids
+    "head id >= vocab": _call("b11", topk_token_ids=[[4, 99], [5]], support_size=[10, 1]),
+    "negative head id": _call("b12", topk_token_ids=[[4, -3], [5]], support_size=[10, 1]),
+    "support id >= vocab": _call("b13", support_token_ids=[[4, 6, 99], []]),
+    "repeated head id": _call("b14", topk_token_ids=[[4, 4], [5]], topk_logprobs=[[-0.9, -0.9], [0.0]]),
+    "repeated support id": _call("b15", support_token_ids=[[4, 6, 6], []]),
 }
 
 
@@ -76,6 +82,8 @@ def test_good_records_pass_and_each_broken_rule_is_rejected_with_its_reason():
     assert "greedy" in rejected_trajs["b7"]
     assert "head id is outside" in rejected_trajs["b8"] and "head log-prob" in rejected_trajs["b9"]
     assert "sum to more than 1" in rejected_trajs["b10"]
+    assert all("outside [0, 10)" in rejected_trajs[b] for b in ("b11", "b12", "b13"))
+    assert all("repeated ids" in rejected_trajs[b] for b in ("b14", "b15"))
     # every call of a rejected trajectory is rejected too: nothing of it is trained on
     assert {r["record_id"] for r in rejects if r["table_name"] == "calls"} == {
         c["call_id"] for c in calls if c["trajectory_id"] != "g"

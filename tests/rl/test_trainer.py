@@ -113,7 +113,7 @@ def test_loss_is_the_documented_aggregation(tiny_model, recorded, tokenizer):
 
 def test_resumed_training_equals_uninterrupted(tiny_model, recorded, tmp_path):
     adv = _advantages(recorded, batch_size=4)  # two minibatches -> two steps
-    cfg = TrainerConfig(steps=2, batch_size=4, lr=1e-2)
+    cfg = TrainerConfig(steps=2, batch_size=4, lr=1e-2, warmup_steps=3)  # warm-up spans both rounds
     straight = copy.deepcopy(tiny_model)
     opt = make_optimizer(straight, cfg, None)
     train_round(straight, opt, recorded.calls, adv, cfg, pad_id=0)
@@ -122,13 +122,14 @@ def test_resumed_training_equals_uninterrupted(tiny_model, recorded, tmp_path):
     resumed = copy.deepcopy(tiny_model)
     opt = make_optimizer(resumed, cfg, None)
     rows = train_round(resumed, opt, recorded.calls, adv, cfg, pad_id=0)
+    assert [r["lr"] for r in rows] == pytest.approx([1e-2 / 3, 2e-2 / 3])
     save_checkpoint(tmp_path / "ck", resumed, opt.state_dict(), {"step": rows[-1]["step"]})
     save_checkpoint(tmp_path / "ck", resumed, opt.state_dict(), {"step": rows[-1]["step"]})  # atomic replace
     model, opt_state, meta = load_checkpoint(tmp_path / "ck")
     assert meta["step"] == 2 and not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
     opt = make_optimizer(model, cfg, opt_state)
     rows = train_round(model, opt, recorded.calls, adv, cfg, pad_id=0, first_step=meta["step"])
-    assert rows[-1]["step"] == 4
+    assert rows[-1]["step"] == 4 and [r["lr"] for r in rows] == pytest.approx([1e-2, 1e-2])
     for (name, a), b in zip(straight.state_dict().items(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
