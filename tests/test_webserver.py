@@ -2,6 +2,7 @@
 partition's materializations."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -72,5 +73,9 @@ def test_dagster_dev_serves_the_graph_and_materializations(tmp_path):
             e["label"] for e in mat["metadataEntries"]
         }
     finally:
-        os.killpg(dev.pid, 15)
-        dev.wait(timeout=60)
+        os.killpg(dev.pid, signal.SIGTERM)
+        try:
+            dev.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # dagster dev's children can outlive SIGTERM under load
+            os.killpg(dev.pid, signal.SIGKILL)
+            dev.wait(timeout=30)
