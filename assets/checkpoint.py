@@ -10,6 +10,7 @@ from assets.partitions import merged, ordered_keys, round_number, rounds
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup, register_checkpoint, round_id
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
+from prodrl_pipeline.rl.retokenize import retokenize_calls
 from prodrl_pipeline.rl.trainer import make_optimizer, policy_logprobs, train_round
 from resources.lab import EstimatorSettings, LabResource
 from resources.store import StoreResource
@@ -79,6 +80,10 @@ def _checkpoint_round(
     adv = tables.read("advantages", k).to_pylist()
     trained = set(a["trajectory_id"] for a in adv)
     calls = [c for c in tables.read("calls", k).to_pylist() if c["trajectory_id"] in trained]
+    retokenized: dict = {}
+    if cfg.tokens == "retokenized":
+        calls, retokenized = retokenize_calls(calls, lab.tokenizer())
+        context.log.info(f"round {k}: trains on retokenized calls: {retokenized}")
     est = cfg.estimator
     context.log.info(
         f"round {k}: {cfg.steps} x {cfg.batch_size} with {est.type} from {parent['checkpoint_id']}"
@@ -171,6 +176,8 @@ def _checkpoint_round(
             "rho_truncated_fraction": mean("rho_truncated_fraction"),
             "kl": mean("kl"),
             "dropped_trajectories": sum(r["dropped_trajectories"] for r in rows),
+            "tokens": cfg.tokens,
+            **({"retokenization": retokenized} if retokenized else {}),
             "steps": metadata.table(rows, STEP_COLUMNS),
             "mismatch_plot": metadata.plot(
                 steps,

@@ -110,6 +110,9 @@ class LabResource(ConfigurableResource):
     """Default estimator; a run can override it (config of the `checkpoint` asset)."""
     extra_samples: int = 0
     """M: extra tokens the engine samples per position (score centering's samples form)."""
+    tokens: Literal["recorded", "retokenized"] = "recorded"
+    """Train on the served token ids (recorded) or, to measure the naive pipeline, on ids rebuilt
+    from each call's conversation (retokenized, rl/retokenize.py)."""
     microbatch_calls: int = 16
     seed: int = 0
     """Seed of puzzle sampling, engine sampling and minibatch shuffles."""
@@ -151,6 +154,7 @@ class LabResource(ConfigurableResource):
             microbatch_calls=self.microbatch_calls,
             seed=self.seed,
             qat=self.qat,
+            tokens=self.tokens,
         )
 
     def tokenizer(self) -> PreTrainedTokenizerBase:

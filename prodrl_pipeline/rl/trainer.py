@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
@@ -37,6 +38,10 @@ class TrainerConfig:
     the first rounds until `warmup_steps` steps have been taken). A fresh Adam's first updates are
     ~lr * sign(g) on every weight whatever the gradient's size; on a warm-started policy that noise
     alone moved pi by ~1 nat per token in the first round. 0 disables it."""
+    tokens: Literal["recorded", "retokenized"] = "recorded"
+    """recorded: train on the token ids the deployment served. retokenized: the naive pipeline,
+    rebuilding each call from its conversation through the chat template (rl/retokenize.py);
+    kept to measure what it costs."""
     beta1: float = 0.9
     """Adam beta1."""
     beta2: float = 0.99
@@ -64,6 +69,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
             raise ValueError(f"trainer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.tokens not in ("recorded", "retokenized"):
+            raise ValueError(f"trainer.tokens must be 'recorded' or 'retokenized', got {self.tokens!r}")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of global optimizer step `step` (1-based)."""
@@ -169,16 +176,22 @@ def train_round(
             owner = [c["trajectory_id"] for c in micro for _ in c["completion_token_ids"]]
             index = {t: i for i, t in enumerate(dict.fromkeys(owner))}
             free = seqs.free
+            pi_k = torch.cat([round_start[c["call_id"]] for c in micro])
             x = TokenInputs(
                 logprobs=lp.logprobs,
-                deployment_logprobs=seqs.deployment_logprobs,
-                round_start_logprobs=torch.cat([round_start[c["call_id"]] for c in micro]),
+                # NaN: no recorded log-prob (a retokenized position); taken as on-policy, mu = pi_k
+                deployment_logprobs=torch.where(
+                    seqs.deployment_logprobs.isnan(), pi_k, seqs.deployment_logprobs
+                ),
+                round_start_logprobs=pi_k,
                 advantages=torch.tensor([adv[t] for t in owner], dtype=torch.float32),
                 trajectory=torch.tensor([index[t] for t in owner]),
                 free=free,
                 head_logprobs=lp.head_logprobs,
                 tail_logprobs=lp.tail_logprobs,
-                head_deployment_logprobs=seqs.head_deployment_logprobs,
+                head_deployment_logprobs=torch.where(
+                    seqs.head_deployment_logprobs.isnan(), pi_k[:, None], seqs.head_deployment_logprobs
+                ),
                 extra_logprobs=lp.extra_logprobs,
                 complement_logprobs=lp.complement_logprobs,
                 reference_logprobs=torch.cat([reference[c["call_id"]] for c in micro]) if reference else None,

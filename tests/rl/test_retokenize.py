@@ -1,0 +1,82 @@
+"""The naive retokenizing pipeline: what it rebuilds from a recorded call, and where it differs."""
+
+import copy
+import math
+
+from prodrl_pipeline.rl.estimators import EstimatorConfig
+from prodrl_pipeline.rl.retokenize import retokenize_calls
+from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
+
+
+def _split_move(call: dict, tokenizer) -> dict:
+    """The call as an engine that spelled its move in byte pieces would have recorded it."""
+    free = next(t for t, s in enumerate(call["support_size"]) if s > 1)
+    pieces = [
+        tokenizer.convert_tokens_to_ids(ch) for ch in tokenizer.decode([call["completion_token_ids"][free]])
+    ]
+    assert len(pieces) > 1 and tokenizer.unk_token_id not in pieces
+
+    def spread(column: str) -> list:
+        return call[column][:free] + [call[column][free]] * len(pieces) + call[column][free + 1 :]
+
+    out = {c: spread(c) for c in ("completion_logprobs", "topk_token_ids", "topk_logprobs", "support_size")}
+    ids = call["completion_token_ids"]
+    return {
+        **call,
+        **out,
+        "completion_token_ids": ids[:free] + pieces + ids[free + 1 :],
+        "support_token_ids": [[] for _ in range(len(ids) + len(pieces) - 1)],
+        "extra_token_ids": [],
+    }
+
+
+def test_lab_calls_differ_only_by_the_templates_trailing_newline(recorded, tokenizer):
+    calls = recorded.calls
+    rebuilt, report = retokenize_calls(calls, tokenizer)
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    for old, new in zip(calls, rebuilt, strict=True):
+        assert new["prompt_token_ids"] == old["prompt_token_ids"]
+        assert new["completion_token_ids"] == old["completion_token_ids"] + newline
+        n = len(old["completion_token_ids"])
+        assert new["completion_logprobs"][:n] == old["completion_logprobs"]
+        assert new["topk_token_ids"][:n] == old["topk_token_ids"]
+        assert math.isnan(new["completion_logprobs"][n]) and new["topk_token_ids"][n] == newline
+        assert new["support_size"][n] == old["vocab_size"]
+    n = len(calls)
+    assert report["calls"] == n and report["prompt_differs"] == 0 and report["completion_differs"] == n
+    assert report["stretch: template whitespace"] == n
+    assert report["positions_aligned"] == report["positions"] == report["positions_retokenized"] - n
+
+
+def test_a_move_spelled_in_pieces_is_merged_and_loses_its_recorded_logprobs(recorded, tokenizer):
+    call = _split_move(recorded.calls[0], tokenizer)
+    (new,), report = retokenize_calls([call], tokenizer)
+    assert report["stretch: move or content tokens"] == 1
+    original = recorded.calls[0]["completion_token_ids"]
+    assert len(new["completion_token_ids"]) == len(original) + 1  # merged back, plus the newline
+    free = next(t for t, s in enumerate(call["support_size"]) if s > 1)
+    assert new["completion_token_ids"][free] == original[free]
+    # the merged move and everything after it no longer line up with what was recorded
+    assert all(math.isnan(x) for x in new["completion_logprobs"][free:])
+    assert all(not math.isnan(x) for x in new["completion_logprobs"][:free])
+
+
+def test_training_on_retokenized_calls_takes_unrecorded_positions_as_on_policy(
+    tiny_model, recorded, tokenizer
+):
+    calls, _ = retokenize_calls(recorded.calls, tokenizer)
+    adv = [
+        {
+            "trajectory_id": t["trajectory_id"],
+            "minibatch": 0,
+            "reward": t["reward"],
+            "advantage": (i % 3) - 1.0,
+        }
+        for i, t in enumerate(recorded.trajectories)
+    ]
+    for est in ("tis_ppo", "score_centering"):
+        model = copy.deepcopy(tiny_model)
+        cfg = TrainerConfig(steps=1, batch_size=len(adv), estimator=EstimatorConfig(type=est))
+        (row,) = train_round(model, make_optimizer(model, cfg, None), calls, adv, cfg, pad_id=0)
+        assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+        assert row["engine_mismatch"] < 1e-5  # unquantized engine; the newline's mu is pi_k itself
