@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DAGSTER_HOME ?= $(CURDIR)/.prodrl/dagster_home
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install demo test test-slow ui serve lint format clean data bench
+.PHONY: install demo test test-slow ui serve lint format clean data bench study
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ $(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 
 demo: install $(DAGSTER_HOME)/dagster.yaml  ## build the base model and run 3 rounds through Dagster
 	$(BIN)/python -m assets.demo --rounds 3
+
+study: install $(DAGSTER_HOME)/dagster.yaml  ## the lab study (docs/results.md): configurations x 3 seeds, resumable, then its report
+	$(BIN)/python -m assets.study run
+	$(BIN)/python -m assets.study report
 
 test: install  ## the test suite (slow experiments excluded)
 	$(BIN)/pytest -q -m "not slow"

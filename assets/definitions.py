@@ -17,8 +17,13 @@ from assets.trajectories import trajectories
 from resources.lab import LabResource
 from resources.store import StoreResource
 
+ROUND_ASSETS = [trajectories, advantages, checkpoint, deployment, eval_report]
+"""One round, in order: what `round_job` materializes for a partition."""
+ASSETS = [base_model, *ROUND_ASSETS, *CHECKS]
+"""Everything `materialize` needs to run a round with its asset checks."""
+
 defs = Definitions(
-    assets=[base_model, trajectories, advantages, checkpoint, deployment, eval_report],
+    assets=[base_model, *ROUND_ASSETS],
     asset_checks=CHECKS,
     jobs=[base_job, round_job, maintenance_job, eval_live_job],
     sensors=[round_sensor],

@@ -1,0 +1,253 @@
+"""`make study`: the lab study's configurations x seeds through the real round graph, and its report.
+
+    python -m assets.study run [--configs sc16,tis_ppo] [--seeds 0,1,2] [--rounds 3]
+    python -m assets.study report [--out docs/results.md]
+
+Every (configuration, seed) is an experiment on the Dagster instance ($DAGSTER_HOME), its tables in
+`<root>/<store>/s<seed>` (a replay shares its traffic source's store). A re-run skips every round
+already trained and evaluated, so an interrupted study resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from dagster import DagsterInstance, materialize
+from transformers.utils import logging as hf_logging
+
+from assets.base_model import base_model
+from assets.definitions import ASSETS, ROUND_ASSETS
+from assets.partitions import round_key
+from prodrl_pipeline.evals.gate import paired_difference
+from prodrl_pipeline.evals.report import curves_png, markdown_table
+from prodrl_pipeline.evals.study import (
+    COMPARISONS,
+    CONFIGS,
+    StudyConfig,
+    run_order,
+    seed_difference,
+    store_name,
+    verdict,
+)
+from prodrl_pipeline.records.queries import round_summary, stored_results
+from prodrl_pipeline.records.registry import BASE, round_id
+from prodrl_pipeline.records.store import DeltaStore
+from resources.lab import EstimatorSettings, LabResource
+from resources.store import StoreResource
+
+DEFAULT_ROOT = Path(".prodrl/study")
+
+
+def _lab(c: StudyConfig, seed: int, base_dir: Path, defaults: Mapping[str, object]) -> LabResource:
+    settings = {**defaults, **c.settings}
+    estimator = EstimatorSettings(**settings.pop("estimator", {}))
+    return LabResource(
+        **settings,
+        estimator=estimator,
+        experiment=c.name,
+        seed=seed,
+        base_checkpoint=str(base_dir),
+        counterfactual=c.replay_of is not None,
+        compare_to=c.replay_of or "main",
+    )
+
+
+def _store(root: Path, c: StudyConfig, seed: int) -> StoreResource:
+    return StoreResource(root=str(root / store_name(c) / f"s{seed}"))
+
+
+def finished(tables: DeltaStore, experiment: str, k: int) -> bool:
+    """Round k of `experiment` is trained and its deployment evaluated."""
+    ids = set(tables.read("checkpoints").column("checkpoint_id").to_pylist())
+    return round_id(experiment, k) in ids and bool(stored_results(tables, round_id(experiment, k)))
+
+
+def study_base(instance: DagsterInstance, root: Path, defaults: Mapping[str, object]) -> Path:
+    """The one base model every configuration starts from (built once, with its tokenizer)."""
+    out = root / "base_model"
+    if (out / "model.safetensors").exists():
+        return out
+    lab = LabResource(**defaults)
+    store = StoreResource(root=str(root / "base"))
+    assert materialize([base_model], instance=instance, resources={"store": store, "lab": lab}).success
+    tmp = root / "base_model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(store.path("checkpoints", BASE), tmp)
+    lab.tokenizer().save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def run_study(
+    instance: DagsterInstance,
+    root: Path,
+    names: Sequence[str],
+    seeds: Sequence[int],
+    rounds: int,
+    defaults: Mapping[str, object] | None = None,
+    log=print,  # noqa: ANN001
+) -> int:
+    """Run every round not yet finished; returns how many rounds ran."""
+    defaults = dict(defaults or {})
+    configs = run_order(names)
+    base_dir = study_base(instance, root, defaults)
+    instance.add_dynamic_partitions("rounds", [round_key(k) for k in range(1, rounds + 1)])
+    todo = [(s, c, k) for s in seeds for c in configs for k in range(1, rounds + 1)]
+    ran, t0 = 0, time.perf_counter()
+    for i, (seed, c, k) in enumerate(todo, 1):
+        store = _store(root, c, seed)
+        tables = store.tables()
+        if finished(tables, c.name, k):
+            continue
+        resources = {"store": store, "lab": _lab(c, seed, base_dir, defaults)}
+        if not stored_results(tables, BASE):
+            assert materialize([base_model], instance=instance, resources=resources).success
+        t = time.perf_counter()
+        result = materialize(
+            ASSETS, selection=ROUND_ASSETS, partition_key=round_key(k), instance=instance, resources=resources
+        )
+        if not result.success:
+            raise SystemExit(f"{c.name} seed {seed} round {k} failed; re-run to resume")
+        ran += 1
+        rate = statistics.fmean(r["solved"] for r in stored_results(tables, round_id(c.name, k)))
+        left = len(todo) - i
+        eta = (time.perf_counter() - t0) / ran * left
+        log(
+            f"[{i}/{len(todo)}] {c.name} seed {seed} round {k}: held-out {rate:.3f} "
+            f"({time.perf_counter() - t:.0f} s; ~{eta / 60:.0f} min left)"
+        )
+    return ran
+
+
+def _final(root: Path, c: StudyConfig, seed: int) -> tuple[int, dict[str, bool]] | None:
+    tables = _store(root, c, seed).tables()
+    summary = round_summary(tables, c.name)
+    if len(summary) < 2:
+        return None
+    last = summary[-1]["round"]
+    return last, {r["puzzle_id"]: r["solved"] for r in stored_results(tables, round_id(c.name, last))}
+
+
+def write_report(root: Path, out: Path, seeds: Sequence[int]) -> str:
+    """docs/results.md and its PNGs from the stored tables of every finished configuration."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figures = out.parent / "results"
+    figures.mkdir(exist_ok=True)
+    curves: dict[str, dict[int, list[dict]]] = {}
+    for c in CONFIGS:
+        per_seed = {s: round_summary(_store(root, c, s).tables(), c.name) for s in seeds}
+        curves[c.name] = {s: rows for s, rows in per_seed.items() if len(rows) > 1}
+    lines = [
+        "# Lab study results",
+        "",
+        f"Generated by `python -m assets.study report` from the tables under `{root}`; seeds {list(seeds)}.",
+        "Held-out greedy solve rate on all held-out puzzles; differences are final round A − B, seed by",
+        "seed on the same puzzles, with a 95% interval (Student's t over seeds; one seed: paired puzzles).",
+        "",
+        "| finding | A | B | A final | B final | A − B (95% CI) | seeds | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cmp in COMPARISONS:
+        a, b = (next(c for c in CONFIGS if c.name == n) for n in (cmp.a, cmp.b))
+        diffs, ses, finals = [], [], {cmp.a: [], cmp.b: []}
+        for s in seeds:
+            fa, fb = _final(root, a, s), _final(root, b, s)
+            if fa is None or fb is None:
+                continue
+            d = paired_difference(fa[1], fb[1])
+            diffs.append(d.diff)
+            ses.append(d.se)
+            finals[cmp.a].append(d.rate)
+            finals[cmp.b].append(d.baseline_rate)
+        if not diffs:
+            lines.append(f"| {cmp.claim} | {cmp.a} | {cmp.b} | - | - | - | 0 | not run |")
+            continue
+        diff = seed_difference(diffs, ses[0] if len(diffs) == 1 else None)
+        spread = (
+            (statistics.stdev(finals[cmp.a]), statistics.stdev(finals[cmp.b])) if len(diffs) > 2 else None
+        )
+        lines.append(
+            f"| {cmp.claim} | {cmp.a} | {cmp.b} | {statistics.fmean(finals[cmp.a]):.3f} | "
+            f"{statistics.fmean(finals[cmp.b]):.3f} | "
+            f"{diff.mean:+.3f} ({diff.low:+.3f} to {diff.high:+.3f}) | "
+            f"{diff.seeds} | {verdict(cmp.kind, diff, spread)} |"
+        )
+    lines += ["", "## Curves", ""]
+    groups = {"a": "recorded vs retokenized", "b": "estimators", "c": "truncated sampling", "d": "asynchrony"}
+    groups |= {"e": "KL penalty", "f": "QAT"}
+    for prefix, title in groups.items():
+        names = list(dict.fromkeys(n for cmp in COMPARISONS if cmp.key[0] == prefix for n in (cmp.a, cmp.b)))
+        names = [n for n in names if curves.get(n)]
+        if not names:
+            continue
+        for metric, label in (
+            ("heldout_solve_rate", "held-out solve rate"),
+            ("engine_mismatch", "engine mismatch"),
+        ):
+            series, x = {}, []
+            for n in names:
+                runs = list(curves[n].values())
+                width = min(len(r) for r in runs)
+                x = [r["round"] for r in runs[0][:width]]
+                for stat, fn in (("mean", statistics.fmean), ("min", min), ("max", max)):
+                    values = [[r[i][metric] for r in runs] for i in range(width)]
+                    if all(v is not None for vs in values for v in vs):
+                        series[f"{n} {stat}" if stat != "mean" else n] = [fn(vs) for vs in values]
+            if not series:
+                continue
+            png = figures / f"{prefix}_{metric}.png"
+            png.write_bytes(curves_png(x, series, "round", f"{title}: {label} (mean, min, max over seeds)"))
+            lines += [f"![{title}: {label}](results/{png.name})", ""]
+    rows = [{"config": n, "seed": s, **r[-1]} for n, per_seed in curves.items() for s, r in per_seed.items()]
+    lines += [
+        "## Final round per run",
+        "",
+        markdown_table(
+            rows,
+            [
+                "config",
+                "seed",
+                "round",
+                "heldout_solve_rate",
+                "mate_in_1",
+                "mate_in_2",
+                "engine_mismatch",
+                "staleness",
+            ],
+        ),
+    ]
+    text = "\n".join(lines) + "\n"
+    out.write_text(text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("command", choices=["run", "report"])
+    parser.add_argument("--configs", default=",".join(c.name for c in CONFIGS))
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    parser.add_argument("--out", type=Path, default=Path("docs/results.md"))
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.command == "report":
+        write_report(args.root, args.out, seeds)
+        print(f"wrote {args.out}")
+        return
+    os.environ.setdefault("DAGSTER_HOME", str(Path(".prodrl/dagster_home").resolve()))
+    hf_logging.disable_progress_bar()
+    ran = run_study(DagsterInstance.get(), args.root, args.configs.split(","), seeds, args.rounds)
+    print(f"study: {ran} rounds ran; `python -m assets.study report` writes {args.out}")
+
+
+if __name__ == "__main__":
+    main()

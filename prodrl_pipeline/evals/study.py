@@ -1,0 +1,154 @@
+"""The lab study (docs/results.md): named configurations, the comparisons between them, and the
+statistics behind each verdict. No Dagster here; `assets/study.py` runs the configurations.
+
+A configuration is a set of `LabResource` overrides. One that trains on another configuration's
+traffic (`replay_of`) runs as a counterfactual replay in that configuration's store; every other one
+collects its own traffic in its own store (traffic is per store and round). All share one base model.
+
+Verdicts compare final-round held-out solve rates of two configurations, seed by seed on the same
+puzzles: d_s = rate_A,s − rate_B,s. With two or more seeds the interval is Student's t over seeds
+(df = n − 1), which carries run-to-run variance; with one seed it is the paired-puzzle interval.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+NO_WORSE_MARGIN = 0.02  # "does not hurt": the difference's lower bound stays above -2 points
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    name: str
+    settings: Mapping[str, object] = field(default_factory=dict)
+    """`LabResource` field overrides; `estimator` is a mapping of `EstimatorConfig` fields."""
+    replay_of: str | None = None
+    """Train on this configuration's stored traffic (a counterfactual replay) instead of collecting."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    key: str
+    claim: str
+    kind: Literal["better", "no_worse", "less_variance"]
+    """better: `a` beats `b`; no_worse: `a` is within NO_WORSE_MARGIN of `b` or better;
+    less_variance: `a`'s final rate varies less over seeds than `b`'s."""
+    a: str
+    b: str
+
+
+SC = {"type": "score_centering"}
+CONFIGS: tuple[StudyConfig, ...] = (
+    StudyConfig("sc16", {"estimator": SC}),
+    StudyConfig("retok16", {"estimator": SC, "tokens": "retokenized"}, replay_of="sc16"),
+    StudyConfig("sc1", {"estimator": SC, "steps": 1}),
+    StudyConfig("retok1", {"estimator": SC, "steps": 1, "tokens": "retokenized"}, replay_of="sc1"),
+    StudyConfig("reinforce", {"estimator": {"type": "reinforce"}}),
+    StudyConfig("token_is", {"estimator": {"type": "token_is"}}),
+    StudyConfig("tis_ppo", {"estimator": {"type": "tis_ppo"}}),
+    StudyConfig("ref_is", {"estimator": {"type": "ref_is"}}),
+    StudyConfig("sc_top_p", {"estimator": SC, "top_p": 0.95}),
+    StudyConfig("sc_top_k", {"estimator": SC, "top_k": 20}),
+    StudyConfig("tis_async", {"estimator": {"type": "tis_ppo"}, "schedule": "async1"}),
+    StudyConfig("sc_async", {"estimator": SC, "schedule": "async1"}),
+    StudyConfig("sc_async_kl", {"estimator": {**SC, "kl_beta": 0.1}, "schedule": "async1"}),
+    StudyConfig("sc_qat", {"estimator": SC, "qat": True}),
+)
+
+COMPARISONS: tuple[Comparison, ...] = (
+    Comparison(
+        "a1", "recorded tokens learn better than retokenized traces (1 step/round)", "better", "sc1", "retok1"
+    ),
+    Comparison(
+        "a16",
+        "recorded tokens learn better than retokenized traces (16 steps/round)",
+        "better",
+        "sc16",
+        "retok16",
+    ),
+    Comparison("b1", "score centering beats importance sampling (tis_ppo)", "better", "sc16", "tis_ppo"),
+    Comparison("b2", "importance sampling beats reference-model IS", "better", "tis_ppo", "ref_is"),
+    Comparison("b3", "score centering beats reinforce without correction", "better", "sc16", "reinforce"),
+    Comparison("b4", "score centering beats token-level IS", "better", "sc16", "token_is"),
+    Comparison("c1", "top-p 0.95 does not hurt score centering", "no_worse", "sc_top_p", "sc16"),
+    Comparison("c2", "top-k 20 does not hurt score centering", "no_worse", "sc_top_k", "sc16"),
+    Comparison(
+        "d1", "one-round asynchrony: score centering beats tis_ppo", "better", "sc_async", "tis_async"
+    ),
+    Comparison(
+        "d2", "one-round asynchrony costs score centering only a little", "no_worse", "sc_async", "sc16"
+    ),
+    Comparison(
+        "e1",
+        "a KL penalty lowers run-to-run variance (async score centering)",
+        "less_variance",
+        "sc_async_kl",
+        "sc_async",
+    ),
+    Comparison("f1", "quantization-aware training does not hurt", "no_worse", "sc_qat", "sc16"),
+)
+
+
+def config(name: str) -> StudyConfig:
+    by_name = {c.name: c for c in CONFIGS}
+    if name not in by_name:
+        raise KeyError(f"unknown study configuration {name!r}; known: {', '.join(by_name)}")
+    return by_name[name]
+
+
+def run_order(names: Sequence[str]) -> list[StudyConfig]:
+    """The configurations to run, each replay after the configuration whose traffic it replays
+    (which is added if missing)."""
+    chosen = [config(n) for n in dict.fromkeys(names)]
+    for c in list(chosen):
+        if c.replay_of and config(c.replay_of) not in chosen:
+            chosen.append(config(c.replay_of))
+    return sorted(chosen, key=lambda c: c.replay_of is not None)
+
+
+def store_name(c: StudyConfig) -> str:
+    """The store (folder) a configuration's rounds live in: its own, or its traffic source's."""
+    return c.replay_of or c.name
+
+
+@dataclass(frozen=True)
+class Difference:
+    mean: float
+    low: float
+    high: float
+    seeds: int
+
+
+def seed_difference(per_seed: Sequence[float], single_seed_se: float | None = None) -> Difference:
+    """Mean of per-seed differences with a 95% interval: Student's t over seeds, or, for one seed,
+    the normal interval of its paired-puzzle standard error."""
+    n = len(per_seed)
+    if n == 0:
+        raise ValueError("no seed has finished both configurations")
+    mean = statistics.fmean(per_seed)
+    if n == 1:
+        half = 1.96 * (single_seed_se or 0.0)
+    else:
+        half = _T975.get(n - 1, 1.96) * statistics.stdev(per_seed) / math.sqrt(n)
+    return Difference(mean, mean - half, mean + half, n)
+
+
+def verdict(kind: str, diff: Difference | None, spread: tuple[float, float] | None = None) -> str:
+    """reproduced / not reproduced / inconclusive for one comparison."""
+    if kind == "less_variance":
+        if spread is None:
+            return "inconclusive"
+        a, b = spread
+        return "reproduced (indicative)" if a < b else "not reproduced (indicative)"
+    assert diff is not None
+    floor = 0.0 if kind == "better" else -NO_WORSE_MARGIN
+    if diff.low > floor:
+        return "reproduced"
+    if diff.high < floor:
+        return "not reproduced"
+    return "inconclusive"
