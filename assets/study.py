@@ -11,6 +11,7 @@ already trained and evaluated, so an interrupted study resumes where it stopped.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -29,6 +30,7 @@ from prodrl_pipeline.evals.report import curves_png, markdown_table
 from prodrl_pipeline.evals.study import (
     COMPARISONS,
     CONFIGS,
+    STUDY_DEFAULTS,
     StudyConfig,
     run_order,
     seed_difference,
@@ -42,20 +44,23 @@ from resources.lab import EstimatorSettings, LabResource
 from resources.store import StoreResource
 
 DEFAULT_ROOT = Path(".prodrl/study")
+QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # progress lines stay readable;
+# every run's full log is in the Dagster instance (`make ui`)
 
 
 def _lab(c: StudyConfig, seed: int, base_dir: Path, defaults: Mapping[str, object]) -> LabResource:
-    settings = {**defaults, **c.settings}
+    settings = {
+        **STUDY_DEFAULTS,
+        **defaults,
+        **c.settings,
+        "experiment": c.name,
+        "seed": seed,
+        "base_checkpoint": str(base_dir),
+        "counterfactual": c.replay_of is not None,
+        "compare_to": c.replay_of or "main",
+    }
     estimator = EstimatorSettings(**settings.pop("estimator", {}))
-    return LabResource(
-        **settings,
-        estimator=estimator,
-        experiment=c.name,
-        seed=seed,
-        base_checkpoint=str(base_dir),
-        counterfactual=c.replay_of is not None,
-        compare_to=c.replay_of or "main",
-    )
+    return LabResource(**settings, estimator=estimator)
 
 
 def _store(root: Path, c: StudyConfig, seed: int) -> StoreResource:
@@ -71,15 +76,21 @@ def finished(tables: DeltaStore, experiment: str, k: int) -> bool:
 def study_base(instance: DagsterInstance, root: Path, defaults: Mapping[str, object]) -> Path:
     """The one base model every configuration starts from (built once, with its tokenizer)."""
     out = root / "base_model"
+    settings = json.dumps(dict(defaults), sort_keys=True)
     if (out / "model.safetensors").exists():
+        if (out / "study_defaults.json").read_text() != settings:
+            raise SystemExit(f"{out} was built with other settings; use another --root or remove {root}")
         return out
     lab = LabResource(**defaults)
     store = StoreResource(root=str(root / "base"))
-    assert materialize([base_model], instance=instance, resources={"store": store, "lab": lab}).success
+    assert materialize(
+        [base_model], instance=instance, resources={"store": store, "lab": lab}, run_config=QUIET
+    ).success
     tmp = root / "base_model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(store.path("checkpoints", BASE), tmp)
     lab.tokenizer().save_pretrained(tmp)
+    (tmp / "study_defaults.json").write_text(settings)
     tmp.rename(out)
     return out
 
@@ -107,10 +118,16 @@ def run_study(
             continue
         resources = {"store": store, "lab": _lab(c, seed, base_dir, defaults)}
         if not stored_results(tables, BASE):
-            assert materialize([base_model], instance=instance, resources=resources).success
+            assert materialize([base_model], instance=instance, resources=resources, run_config=QUIET).success
         t = time.perf_counter()
         result = materialize(
-            ASSETS, selection=ROUND_ASSETS, partition_key=round_key(k), instance=instance, resources=resources
+            ASSETS,
+            selection=ROUND_ASSETS,
+            partition_key=round_key(k),
+            instance=instance,
+            resources=resources,
+            run_config=QUIET,
+            raise_on_error=False,
         )
         if not result.success:
             raise SystemExit(f"{c.name} seed {seed} round {k} failed; re-run to resume")
@@ -125,13 +142,14 @@ def run_study(
     return ran
 
 
-def _final(root: Path, c: StudyConfig, seed: int) -> tuple[int, dict[str, bool]] | None:
-    tables = _store(root, c, seed).tables()
-    summary = round_summary(tables, c.name)
-    if len(summary) < 2:
-        return None
-    last = summary[-1]["round"]
-    return last, {r["puzzle_id"]: r["solved"] for r in stored_results(tables, round_id(c.name, last))}
+def _last_round(root: Path, c: StudyConfig, seed: int) -> int:
+    summary = round_summary(_store(root, c, seed).tables(), c.name)
+    return summary[-1]["round"] if summary else 0
+
+
+def _results(root: Path, c: StudyConfig, seed: int, k: int) -> dict[str, bool]:
+    rows = stored_results(_store(root, c, seed).tables(), round_id(c.name, k))
+    return {r["puzzle_id"]: r["solved"] for r in rows}
 
 
 def write_report(root: Path, out: Path, seeds: Sequence[int]) -> str:
@@ -150,33 +168,35 @@ def write_report(root: Path, out: Path, seeds: Sequence[int]) -> str:
         "Held-out greedy solve rate on all held-out puzzles; differences are final round A − B, seed by",
         "seed on the same puzzles, with a 95% interval (Student's t over seeds; one seed: paired puzzles).",
         "",
-        "| finding | A | B | A final | B final | A − B (95% CI) | seeds | verdict |",
-        "|---|---|---|---|---|---|---|---|",
+        "| finding | A | B | round | A | B | A − B (95% CI) | seeds | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for cmp in COMPARISONS:
         a, b = (next(c for c in CONFIGS if c.name == n) for n in (cmp.a, cmp.b))
         diffs, ses, finals = [], [], {cmp.a: [], cmp.b: []}
-        for s in seeds:
-            fa, fb = _final(root, a, s), _final(root, b, s)
-            if fa is None or fb is None:
-                continue
-            d = paired_difference(fa[1], fb[1])
+        # every seed at the same round: the last one both configurations finished in all seeds
+        k = min((min(_last_round(root, a, s), _last_round(root, b, s)) for s in seeds), default=0)
+        for s in seeds if k > 0 else ():
+            d = paired_difference(_results(root, a, s, k), _results(root, b, s, k))
             diffs.append(d.diff)
             ses.append(d.se)
             finals[cmp.a].append(d.rate)
             finals[cmp.b].append(d.baseline_rate)
         if not diffs:
-            lines.append(f"| {cmp.claim} | {cmp.a} | {cmp.b} | - | - | - | 0 | not run |")
+            lines.append(f"| {cmp.claim} | {cmp.a} | {cmp.b} | - | - | - | - | 0 | not run |")
             continue
         diff = seed_difference(diffs, ses[0] if len(diffs) == 1 else None)
-        spread = (
-            (statistics.stdev(finals[cmp.a]), statistics.stdev(finals[cmp.b])) if len(diffs) > 2 else None
-        )
+        fa, fb = statistics.fmean(finals[cmp.a]), statistics.fmean(finals[cmp.b])
+        if cmp.kind == "less_variance":
+            spread = (
+                (statistics.stdev(finals[cmp.a]), statistics.stdev(finals[cmp.b])) if len(diffs) > 2 else None
+            )
+            shown = f"sd over seeds {spread[0]:.3f} vs {spread[1]:.3f}" if spread else "needs 3 seeds"
+        else:
+            spread, shown = None, f"{diff.mean:+.3f} ({diff.low:+.3f} to {diff.high:+.3f})"
         lines.append(
-            f"| {cmp.claim} | {cmp.a} | {cmp.b} | {statistics.fmean(finals[cmp.a]):.3f} | "
-            f"{statistics.fmean(finals[cmp.b]):.3f} | "
-            f"{diff.mean:+.3f} ({diff.low:+.3f} to {diff.high:+.3f}) | "
-            f"{diff.seeds} | {verdict(cmp.kind, diff, spread)} |"
+            f"| {cmp.claim} | {cmp.a} | {cmp.b} | {k} | {fa:.3f} | {fb:.3f} | {shown} | {diff.seeds} | "
+            f"{verdict(cmp.kind, diff, spread)} |"
         )
     lines += ["", "## Curves", ""]
     groups = {"a": "recorded vs retokenized", "b": "estimators", "c": "truncated sampling", "d": "asynchrony"}
@@ -190,14 +210,15 @@ def write_report(root: Path, out: Path, seeds: Sequence[int]) -> str:
             ("heldout_solve_rate", "held-out solve rate"),
             ("engine_mismatch", "engine mismatch"),
         ):
-            series, x = {}, []
+            first = 0 if metric == "heldout_solve_rate" else 1  # round 0 (the base) did not train
+            width = min(len(r) for n in names for r in curves[n].values())  # rounds all runs finished
+            x = list(range(first, width))
+            series = {}
             for n in names:
                 runs = list(curves[n].values())
-                width = min(len(r) for r in runs)
-                x = [r["round"] for r in runs[0][:width]]
                 for stat, fn in (("mean", statistics.fmean), ("min", min), ("max", max)):
-                    values = [[r[i][metric] for r in runs] for i in range(width)]
-                    if all(v is not None for vs in values for v in vs):
+                    values = [[r[i][metric] for r in runs] for i in x]
+                    if values and all(v is not None for vs in values for v in vs):
                         series[f"{n} {stat}" if stat != "mean" else n] = [fn(vs) for vs in values]
             if not series:
                 continue

@@ -3,10 +3,11 @@ resume after an interruption, and the report."""
 
 import hashlib
 
+import pytest
 from dagster import instance_for_test
 
 from assets.study import run_study, write_report
-from prodrl_pipeline.evals.study import Difference, run_order, seed_difference, verdict
+from prodrl_pipeline.evals.study import Difference, run_order, seed_difference, t975, verdict
 
 TINY = dict(
     hidden_size=32,
@@ -19,7 +20,6 @@ TINY = dict(
     eval_puzzles=16,
     warm_start_steps=3,
     warm_start_batch=8,
-    gate_margin=1.0,
 )
 
 
@@ -50,13 +50,12 @@ def test_study_runs_resumes_and_reports(tmp_path):
     row = next(
         line for line in text.splitlines() if line.startswith("| recorded tokens") and "16 steps" in line
     )
-    assert "| 1 |" in row and row.rstrip(" |").split("| ")[-1] in {
-        "reproduced",
-        "not reproduced",
-        "inconclusive",
-    }
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    assert cells[3] == "2" and cells[7] == "1"  # compared at round 2, one seed
+    assert cells[8] in {"reproduced", "not reproduced", "inconclusive"}
     assert "not run" in next(line for line in text.splitlines() if "reference-model IS" in line)
-    assert (out.parent / "results" / "a_heldout_solve_rate.png").read_bytes()[:4] == b"\x89PNG"
+    for png in ("a_heldout_solve_rate.png", "a_engine_mismatch.png"):
+        assert (out.parent / "results" / png).read_bytes()[:4] == b"\x89PNG"
 
 
 def test_replays_run_after_their_source_and_verdicts_follow_the_interval():
@@ -68,3 +67,6 @@ def test_replays_run_after_their_source_and_verdicts_follow_the_interval():
     assert verdict("no_worse", Difference(-0.005, -0.015, 0.005, 3)) == "reproduced"
     assert verdict("no_worse", Difference(-0.01, -0.03, 0.01, 3)) == "inconclusive"
     assert seed_difference([0.02], single_seed_se=0.005).low == 0.02 - 1.96 * 0.005
+    # Student's t with 2 degrees of freedom (4.303), not a normal quantile
+    assert seed_difference([0.0, 0.03, 0.06]).high == pytest.approx(0.03 + 4.303 * 0.03 / 3**0.5)
+    assert t975(30) == pytest.approx(2.042, abs=2e-3) and t975(9) == 2.262

@@ -20,6 +20,17 @@ from typing import Literal
 
 NO_WORSE_MARGIN = 0.02  # "does not hurt": the difference's lower bound stays above -2 points
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+STUDY_DEFAULTS: Mapping[str, object] = {"gate_margin": 1.0}
+"""Lab settings every configuration shares. The deploy gate is opened: a configuration that
+regresses must still deploy and be measured (a held-back deployment would change its traffic)."""
+
+
+def t975(df: int) -> float:
+    """Student's t 97.5% quantile: exact to 3 decimals for df < 10, a Cornish-Fisher expansion above."""
+    if df in _T975:
+        return _T975[df]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
 @dataclass(frozen=True)
@@ -46,8 +57,11 @@ SC = {"type": "score_centering"}
 CONFIGS: tuple[StudyConfig, ...] = (
     StudyConfig("sc16", {"estimator": SC}),
     StudyConfig("retok16", {"estimator": SC, "tokens": "retokenized"}, replay_of="sc16"),
-    StudyConfig("sc1", {"estimator": SC, "steps": 1}),
-    StudyConfig("retok1", {"estimator": SC, "steps": 1, "tokens": "retokenized"}, replay_of="sc1"),
+    # one step per round: no lr warm-up (counted in global steps it would span 16 rounds)
+    StudyConfig("sc1", {"estimator": SC, "steps": 1, "warmup_steps": 0}),
+    StudyConfig(
+        "retok1", {"estimator": SC, "steps": 1, "warmup_steps": 0, "tokens": "retokenized"}, replay_of="sc1"
+    ),
     StudyConfig("reinforce", {"estimator": {"type": "reinforce"}}),
     StudyConfig("token_is", {"estimator": {"type": "token_is"}}),
     StudyConfig("tis_ppo", {"estimator": {"type": "tis_ppo"}}),
@@ -134,7 +148,7 @@ def seed_difference(per_seed: Sequence[float], single_seed_se: float | None = No
     if n == 1:
         half = 1.96 * (single_seed_se or 0.0)
     else:
-        half = _T975.get(n - 1, 1.96) * statistics.stdev(per_seed) / math.sqrt(n)
+        half = t975(n - 1) * statistics.stdev(per_seed) / math.sqrt(n)
     return Difference(mean, mean - half, mean + half, n)
 
 

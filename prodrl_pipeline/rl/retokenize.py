@@ -7,11 +7,13 @@ that with a recorded call:
 - prompt ids: the template rendered over `messages_json` without its last (assistant) message, with
   the generation prompt, then tokenized; completion ids: the whole conversation rendered and
   tokenized, minus that many leading tokens (what a pipeline that masks the prompt by length does);
-- recorded per-position data (sampled log-prob, head, support, extra samples) is kept at completion
-  position t only where the new id equals the recorded id at t; every other position gets NaN in
-  place of the recorded log-probs, a head of just its own token and an unrestricted support. The
-  trainer fills NaN behaviour log-probs with its round-start pi_k, as a pipeline that recomputes
-  log-probs would: such tokens look on-policy to every estimator.
+- recorded per-position data (sampled log-prob, head, support, extra samples) is kept on the
+  completion's longest prefix whose ids equal the recorded ids; from the first disagreement on,
+  a position gets NaN in place of the recorded log-probs, a head of just its own token, an
+  unrestricted support, and its own token as every extra sample. The trainer fills NaN behaviour
+  log-probs with its round-start pi_k, as a pipeline that recomputes log-probs would: such tokens
+  look on-policy to every estimator, except samples-form score centering, where a token centered
+  on copies of itself gets weight 0.
 
 `retokenize_calls` also says where the new ids differ from the recorded ones.
 """
@@ -40,12 +42,16 @@ def _rendered(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple
 def retokenize_call(call: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
     """`call` rebuilt from its conversation, recorded data aligned where the ids agree."""
     messages = json.loads(call["messages_json"])
+    if not isinstance(messages, list):
+        raise ValueError(f"call {call['call_id']}: not a chat call (a text completion has no conversation)")
     if not messages or messages[-1].get("role") != "assistant":
         raise ValueError(f"call {call['call_id']}: messages_json does not end with the assistant's answer")
     prompt, completion = _rendered(tokenizer, messages)
     old = call["completion_token_ids"]
     extra = call.get("extra_token_ids") or []
-    keep = [t < len(old) and tok == old[t] for t, tok in enumerate(completion)]
+    agree = [t < len(old) and tok == old[t] for t, tok in enumerate(completion)]
+    prefix = agree.index(False) if False in agree else len(agree)
+    keep = [t < prefix for t in range(len(completion))]  # after a shift, nothing lines up
     vocab = call["vocab_size"]
 
     def pick(column: str, t: int, fallback):  # noqa: ANN001, ANN202

@@ -177,21 +177,20 @@ def train_round(
             index = {t: i for i, t in enumerate(dict.fromkeys(owner))}
             free = seqs.free
             pi_k = torch.cat([round_start[c["call_id"]] for c in micro])
+            mu, head_mu = seqs.deployment_logprobs, seqs.head_deployment_logprobs
+            if cfg.tokens == "retokenized":  # NaN: no recorded log-prob; taken as on-policy, mu = pi_k
+                mu = torch.where(mu.isnan(), pi_k, mu)
+                head_mu = torch.where(head_mu.isnan(), pi_k[:, None], head_mu)
             x = TokenInputs(
                 logprobs=lp.logprobs,
-                # NaN: no recorded log-prob (a retokenized position); taken as on-policy, mu = pi_k
-                deployment_logprobs=torch.where(
-                    seqs.deployment_logprobs.isnan(), pi_k, seqs.deployment_logprobs
-                ),
+                deployment_logprobs=mu,
                 round_start_logprobs=pi_k,
                 advantages=torch.tensor([adv[t] for t in owner], dtype=torch.float32),
                 trajectory=torch.tensor([index[t] for t in owner]),
                 free=free,
                 head_logprobs=lp.head_logprobs,
                 tail_logprobs=lp.tail_logprobs,
-                head_deployment_logprobs=torch.where(
-                    seqs.head_deployment_logprobs.isnan(), pi_k[:, None], seqs.head_deployment_logprobs
-                ),
+                head_deployment_logprobs=head_mu,
                 extra_logprobs=lp.extra_logprobs,
                 complement_logprobs=lp.complement_logprobs,
                 reference_logprobs=torch.cat([reference[c["call_id"]] for c in micro]) if reference else None,

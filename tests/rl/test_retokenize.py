@@ -3,6 +3,8 @@
 import copy
 import math
 
+import pytest
+
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.retokenize import retokenize_calls
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
@@ -76,7 +78,15 @@ def test_training_on_retokenized_calls_takes_unrecorded_positions_as_on_policy(
     ]
     for est in ("tis_ppo", "score_centering"):
         model = copy.deepcopy(tiny_model)
-        cfg = TrainerConfig(steps=1, batch_size=len(adv), estimator=EstimatorConfig(type=est))
+        cfg = TrainerConfig(
+            steps=1, batch_size=len(adv), estimator=EstimatorConfig(type=est), tokens="retokenized"
+        )
         (row,) = train_round(model, make_optimizer(model, cfg, None), calls, adv, cfg, pad_id=0)
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
         assert row["engine_mismatch"] < 1e-5  # unquantized engine; the newline's mu is pi_k itself
+
+
+def test_a_text_completion_call_cannot_be_rebuilt(recorded, tokenizer):
+    call = {**recorded.calls[0], "messages_json": '{"prompt": "1. e4"}'}
+    with pytest.raises(ValueError, match="not a chat call"):
+        retokenize_calls([call], tokenizer)
