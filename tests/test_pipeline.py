@@ -19,20 +19,23 @@ ASSETS = [base_model, trajectories, advantages, checkpoint, deployment, eval_rep
 ROUND = [trajectories, advantages, checkpoint, deployment, eval_report]
 
 
+TINY = dict(
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    steps=2,
+    batch_size=8,
+    eval_puzzles=16,
+    warm_start_steps=3,
+    warm_start_batch=8,
+)
+"""Lab settings small enough for a round in seconds."""
+
+
 def _resources(root, **lab_overrides):
-    settings = dict(
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        steps=2,
-        batch_size=8,
-        eval_puzzles=16,
-        warm_start_steps=3,
-        warm_start_batch=8,
-    )
-    return {"store": StoreResource(root=str(root)), "lab": LabResource(**{**settings, **lab_overrides})}
+    return {"store": StoreResource(root=str(root)), "lab": LabResource(**{**TINY, **lab_overrides})}
 
 
 def run_rounds(instance, resources, rounds) -> None:

@@ -8,19 +8,7 @@ from dagster import instance_for_test
 
 from assets.study import run_study, write_report
 from prodrl_pipeline.evals.study import Difference, run_order, seed_difference, t975, verdict
-
-TINY = dict(
-    hidden_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    intermediate_size=64,
-    steps=2,
-    batch_size=8,
-    eval_puzzles=16,
-    warm_start_steps=3,
-    warm_start_batch=8,
-)
+from tests.test_pipeline import TINY
 
 
 def _checkpoints(root):
