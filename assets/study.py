@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -152,11 +153,26 @@ def _results(root: Path, c: StudyConfig, seed: int, k: int) -> dict[str, bool]:
     return {r["puzzle_id"]: r["solved"] for r in rows}
 
 
+def _staleness_per_step(root: Path, name: str, seeds: Sequence[int]) -> list[float]:
+    """Mean over seeds of each optimizer step's staleness: the sawtooth (0 at each round start)."""
+    c = next(c for c in CONFIGS if c.name == name)
+    runs = []
+    for s in seeds:
+        rows = [
+            r for r in _store(root, c, s).tables().read("train_steps").to_pylist() if r["experiment"] == name
+        ]
+        runs.append([r["staleness"] for r in sorted(rows, key=lambda r: r["step"])])
+    width = min((len(r) for r in runs), default=0)
+    return [statistics.fmean(r[i] for r in runs) for i in range(width)]
+
+
 def write_report(root: Path, out: Path, seeds: Sequence[int]) -> str:
     """docs/results.md and its PNGs from the stored tables of every finished configuration."""
     out.parent.mkdir(parents=True, exist_ok=True)
     figures = out.parent / "results"
     figures.mkdir(exist_ok=True)
+    for stale in figures.glob("*.png"):  # figures of a comparison no longer drawn must not linger
+        stale.unlink()
     curves: dict[str, dict[int, list[dict]]] = {}
     for c in CONFIGS:
         per_seed = {s: round_summary(_store(root, c, s).tables(), c.name) for s in seeds}
@@ -204,7 +220,7 @@ def write_report(root: Path, out: Path, seeds: Sequence[int]) -> str:
     for prefix, title in groups.items():
         names = list(dict.fromkeys(n for cmp in COMPARISONS if cmp.key[0] == prefix for n in (cmp.a, cmp.b)))
         names = [n for n in names if curves.get(n)]
-        if not names:
+        if len(names) < 2:
             continue
         for metric, label in (
             ("heldout_solve_rate", "held-out solve rate"),
@@ -224,7 +240,15 @@ def write_report(root: Path, out: Path, seeds: Sequence[int]) -> str:
                 continue
             png = figures / f"{prefix}_{metric}.png"
             png.write_bytes(curves_png(x, series, "round", f"{title}: {label} (mean, min, max over seeds)"))
-            lines += [f"![{title}: {label}](results/{png.name})", ""]
+            lines += [f"![{title}: {label}]({figures.name}/{png.name})", ""]
+        staleness = {n: _staleness_per_step(root, n, seeds) for n in names}
+        steps = max(len(v) for v in staleness.values())
+        if steps:
+            png = figures / f"{prefix}_staleness.png"
+            series = {n: v + [math.nan] * (steps - len(v)) for n, v in staleness.items()}
+            title_s = f"{title}: staleness |log pi - log pi_k| (seed mean)"
+            png.write_bytes(curves_png(range(1, steps + 1), series, "optimizer step", title_s))
+            lines += [f"![{title}: staleness]({figures.name}/{png.name})", ""]
     rows = [{"config": n, "seed": s, **r[-1]} for n, per_seed in curves.items() for s, r in per_seed.items()]
     lines += [
         "## Final round per run",
