@@ -9,6 +9,8 @@ move in the legal-move list and the same move as a tool argument are the same to
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -80,12 +82,78 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
+def _held_call(function: dict, hold_all) -> dict:  # noqa: ANN001
+    """A tool call's name and arguments held: a string verbatim, an object as the template's
+    `tojson` will write its strings."""
+    args = function.get("arguments")
+    return {
+        **function,
+        "name": hold_all(function.get("name"), False),
+        "arguments": hold_all(args, not isinstance(args, str)),
+    }
+
+
 def render_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    tools: list | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
-    """Prompt token ids for the next assistant turn: the chat template, then tokenization."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    """Token ids of the chat template over `messages` (by default: the prompt of the next assistant
+    turn). Only the template's own markers become special tokens: every string that came with the
+    messages or tools (contents, tool-call names and arguments, tool schemas) is tokenized as plain
+    text, so `<|im_start|>` typed by a user stays the characters it is and cannot open a turn.
+
+    How: each such string is swapped for a per-call nonce placeholder before rendering, so every
+    special-token string in the rendered text is the template's; the text between those markers,
+    with the strings put back, is tokenized with special tokens split into ordinary tokens. Without
+    a special-token string in the messages this is exactly the plain rendering's tokenization."""
+    nonce = secrets.token_hex(8)
+    held: list[str] = []
+
+    def hold(text: str, json_escaped: bool = False) -> str:
+        held.append(json.dumps(text, ensure_ascii=False)[1:-1] if json_escaped else text)
+        return f"\ue000{nonce}:{len(held) - 1}\ue001"
+
+    def hold_all(value, json_escaped: bool):  # noqa: ANN001, ANN202
+        if isinstance(value, str):
+            return hold(value, json_escaped) if value else value
+        if isinstance(value, dict):
+            return {k: hold_all(v, json_escaped) for k, v in value.items()}
+        if isinstance(value, list):
+            return [hold_all(v, json_escaped) for v in value]
+        return value
+
+    masked = []
+    for m in messages:
+        m = dict(m)
+        if isinstance(m.get("content"), str):
+            m["content"] = hold_all(m["content"], False)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {**tc, "function": _held_call(tc["function"], hold_all)} for tc in m["tool_calls"]
+            ]
+        masked.append(m)
+    text = tokenizer.apply_chat_template(
+        masked,
+        tools=hold_all(tools, True) if tools else tools,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+    )
+    placeholder = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+    marker = re.compile(
+        "|".join(re.escape(t) for t in sorted(tokenizer.all_special_tokens, key=len, reverse=True))
+    )
+    ids, pos = [], 0
+    for match in [*marker.finditer(text), None]:  # markers here are the template's own
+        segment = placeholder.sub(
+            lambda m: held[int(m.group(1))], text[pos : match.start() if match else None]
+        )
+        ids += tokenizer(segment, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if match:
+            ids.append(tokenizer.convert_tokens_to_ids(match.group()))
+            pos = match.end()
+    return ids
 
 
 def tool_call_prefix(tool_name: str) -> str:

@@ -11,8 +11,8 @@ the landing spool before its response is sent.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+import re
 import time
 import uuid
 from collections import Counter
@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from transformers import PreTrainedTokenizerBase
@@ -29,14 +29,16 @@ from transformers import PreTrainedTokenizerBase
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import Completion
 from prodrl_pipeline.engine.sampler import Request as EngineRequest
-from prodrl_pipeline.envs.chat import parse_assistant_text
+from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
 from prodrl_pipeline.gateway.batcher import BatchingEngine
+from prodrl_pipeline.gateway.guard import Guard
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.protocol import ChatRequest, CompletionRequest, FeedbackRequest, SamplingFields
 from prodrl_pipeline.gateway.responses import chat_stream, logprobs_content, text_of, usage
 from prodrl_pipeline.gateway.sessions import EXPIRED_TABLE, SessionIndex
 
 TRAJECTORY_HEADER, CALL_HEADER = "X-Prodrl-Trajectory-Id", "X-Prodrl-Call-Id"
+TRAJECTORY_ID = re.compile(r"[A-Za-z0-9_.:-]{1,256}")  # safe in headers, paths and SQL predicates
 
 
 @dataclass(frozen=True)
@@ -96,16 +98,13 @@ def create_app(
 
     app = FastAPI(title="prodrl capture gateway", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and int(length) > cfg.max_body_bytes:
-            metrics.counts["413"] += 1
-            return _error(413, f"request body over {cfg.max_body_bytes} bytes")
-        if length is None and request.method == "POST" and len(await request.body()) > cfg.max_body_bytes:
-            metrics.counts["413"] += 1
-            return _error(413, f"request body over {cfg.max_body_bytes} bytes")
-        return await call_next(request)
+    app.add_middleware(
+        Guard,
+        serve_keys=cfg.serve_keys,
+        feedback_keys=cfg.feedback_keys,
+        max_body_bytes=cfg.max_body_bytes,
+        count=lambda outcome: metrics.counts.update([outcome]),
+    )
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -117,26 +116,23 @@ def create_app(
         metrics.counts[str(exc.status_code)] += 1
         return _error(exc.status_code, str(exc.detail))
 
-    def key_check(keys: tuple[str, ...]):
-        def check(authorization: str | None = Header(None)) -> None:
-            scheme, _, given = (authorization or "").partition(" ")
-            ok = scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip(), k) for k in keys)
-            if keys and not ok:  # the scheme is case-insensitive; keys compare in constant time
-                raise HTTPException(401, "missing or wrong API key")
-
-        return check
-
-    serve_auth, feedback_auth = Depends(key_check(cfg.serve_keys)), Depends(key_check(cfg.feedback_keys))
-
     def room() -> None:
         if landing and not landing.has_room():
             raise HTTPException(503, "recording backlog is full; retry later")
 
     def trajectory_of(req: SamplingFields, header: str | None, call_id: str) -> str:
-        tid = header or (req.metadata or {}).get("trajectory_id") or req.user or call_id
-        if len(tid) > 256:
-            raise HTTPException(422, "trajectory id longer than 256 characters")
-        return tid
+        given = [
+            (TRAJECTORY_HEADER, header),
+            ("metadata.trajectory_id", (req.metadata or {}).get("trajectory_id")),
+            ("user", req.user),
+        ]
+        for name, tid in given:
+            if tid is None or tid == "":
+                continue
+            if not TRAJECTORY_ID.fullmatch(tid):
+                raise HTTPException(400, f"{name}: a trajectory id is 1-256 characters of [A-Za-z0-9_.:-]")
+            return tid
+        return call_id
 
     async def run(prompt_ids: list[int], req: SamplingFields) -> tuple[Completion, SamplingParams, int]:
         max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
@@ -212,29 +208,25 @@ def create_app(
             }
         )
 
-    @app.get("/v1/models", dependencies=[serve_auth])
+    @app.get("/v1/models")
     async def models() -> dict:
         return {
             "object": "list",
             "data": [{"id": cfg.deployment_id, "object": "model", "created": started, "owned_by": "prodrl"}],
         }
 
-    @app.post("/v1/chat/completions", dependencies=[serve_auth])
+    @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, x_prodrl_trajectory_id: str | None = Header(None)):
         room()
         call_id = uuid.uuid4().hex
         tid = trajectory_of(req, x_prodrl_trajectory_id, call_id)
         messages = [m.for_template() for m in req.messages]
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, tools=req.tools, tokenize=False, add_generation_prompt=True
-            )
+        try:  # user text stays text: only the template's markers are special tokens
+            prompt_ids = render_ids(tokenizer, messages, tools=req.tools)
         except Exception as e:  # a template error is the request's fault
             raise HTTPException(422, f"messages do not render with the chat template: {e}") from e
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         c, params, seed = await run(prompt_ids, req)
         message = parse_assistant_text(text_of(tokenizer, c), call_id_prefix=f"call_{call_id[:12]}")
-        record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
         metrics.counts["chat"] += 1
         finish = (
             "tool_calls" if message.get("tool_calls") else ("stop" if c.finish_reason == "stop" else "length")
@@ -251,6 +243,7 @@ def create_app(
         )
         created = int(time.time())
         if req.stream:
+            record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
             return StreamingResponse(
                 chat_stream(
                     tokenizer, cfg.deployment_id, call_id, created, c, message, finish, ids, logprobs
@@ -258,7 +251,7 @@ def create_app(
                 media_type="text/event-stream",
                 headers=headers,
             )
-        return JSONResponse(
+        response = JSONResponse(
             {
                 "id": f"chatcmpl-{call_id}",
                 "object": "chat.completion",
@@ -270,8 +263,10 @@ def create_app(
             },
             headers=headers,
         )
+        record(call_id, tid, prompt_ids, c, params, seed, messages + [message])  # the response is ready
+        return response
 
-    @app.post("/v1/completions", dependencies=[serve_auth])
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, x_prodrl_trajectory_id: str | None = Header(None)):
         room()
         if req.stream:
@@ -285,7 +280,6 @@ def create_app(
         )
         c, params, seed = await run(prompt_ids, req)
         text = text_of(tokenizer, c)
-        record(call_id, tid, prompt_ids, c, params, seed, {"prompt": req.prompt, "completion": text})
         metrics.counts["completion"] += 1
         choice = {"index": 0, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
         if req.logprobs is not None:
@@ -301,7 +295,7 @@ def create_app(
         ids = {"trajectory_id": tid, "call_id": call_id}
         if req.return_token_ids:
             choice.update(prompt_token_ids=prompt_ids, token_ids=c.token_ids)
-        return JSONResponse(
+        response = JSONResponse(
             {
                 "id": f"cmpl-{call_id}",
                 "object": "text_completion",
@@ -313,8 +307,10 @@ def create_app(
             },
             headers={TRAJECTORY_HEADER: tid, CALL_HEADER: call_id},
         )
+        record(call_id, tid, prompt_ids, c, params, seed, {"prompt": req.prompt, "completion": text})
+        return response
 
-    @app.post("/v1/feedback", dependencies=[feedback_auth])
+    @app.post("/v1/feedback")
     async def feedback(req: FeedbackRequest) -> dict:
         room()
         status = sessions.claim_reward(req.trajectory_id, req.overwrite)

@@ -35,8 +35,7 @@ NAN = math.nan
 
 def _rendered(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[int]]:
     prompt = render_ids(tokenizer, messages[:-1])
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    return prompt, tokenizer.encode(text, add_special_tokens=False)[len(prompt) :]
+    return prompt, render_ids(tokenizer, messages, add_generation_prompt=False)[len(prompt) :]
 
 
 def retokenize_call(call: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
