@@ -107,7 +107,14 @@ def render_ids(
     How: each such string is swapped for a per-call nonce placeholder before rendering, so every
     special-token string in the rendered text is the template's; the text between those markers,
     with the strings put back, is tokenized with special tokens split into ordinary tokens. Without
-    a special-token string in the messages this is exactly the plain rendering's tokenization."""
+    a special-token string in the messages this is exactly the plain rendering's tokenization, for
+    templates that insert strings as they are (a template that trims, splits or escapes them is
+    refused with ValueError). Dict keys (tool schemas, argument objects) are written raw by `tojson`,
+    so a key containing a special token is refused too."""
+    specials = sorted(
+        (t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True
+    )
+    marker = re.compile("|".join(re.escape(t) for t in specials))
     nonce = secrets.token_hex(8)
     held: list[str] = []
 
@@ -118,7 +125,9 @@ def render_ids(
     def hold_all(value, json_escaped: bool):  # noqa: ANN001, ANN202
         if isinstance(value, str):
             return hold(value, json_escaped) if value else value
-        if isinstance(value, dict):
+        if isinstance(value, dict):  # keys are written raw by `tojson`: they may not carry markers
+            if any(isinstance(k, str) and marker.search(k) for k in value):
+                raise ValueError("a key in the tools or tool-call arguments contains a special token")
             return {k: hold_all(v, json_escaped) for k, v in value.items()}
         if isinstance(value, list):
             return [hold_all(v, json_escaped) for v in value]
@@ -141,14 +150,13 @@ def render_ids(
         add_generation_prompt=add_generation_prompt,
     )
     placeholder = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
-    marker = re.compile(
-        "|".join(re.escape(t) for t in sorted(tokenizer.all_special_tokens, key=len, reverse=True))
-    )
     ids, pos = [], 0
     for match in [*marker.finditer(text), None]:  # markers here are the template's own
         segment = placeholder.sub(
             lambda m: held[int(m.group(1))], text[pos : match.start() if match else None]
         )
+        if nonce in segment:  # the template changed a placeholder (trim, split, ASCII escaping)
+            raise ValueError("the chat template transforms message text; render_ids cannot keep it plain")
         ids += tokenizer(segment, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         if match:
             ids.append(tokenizer.convert_tokens_to_ids(match.group()))

@@ -220,9 +220,9 @@ def create_app(
         room()
         call_id = uuid.uuid4().hex
         tid = trajectory_of(req, x_prodrl_trajectory_id, call_id)
-        messages = [m.for_template() for m in req.messages]
         try:  # user text stays text: only the template's markers are special tokens
-            prompt_ids = render_ids(tokenizer, messages, tools=req.tools)
+            messages = [m.for_template() for m in req.messages]
+            prompt_ids = await asyncio.to_thread(render_ids, tokenizer, messages, tools=req.tools)
         except Exception as e:  # a template error is the request's fault
             raise HTTPException(422, f"messages do not render with the chat template: {e}") from e
         c, params, seed = await run(prompt_ids, req)

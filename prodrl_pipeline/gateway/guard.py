@@ -27,8 +27,8 @@ def authorized(header: bytes, keys: tuple[str, ...]) -> bool:
     constant time); anything goes when no key is configured."""
     if not keys:
         return True
-    scheme, _, given = header.decode("latin-1").partition(" ")
-    return scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip(), k) for k in keys)
+    scheme, _, given = header.partition(b" ")
+    return scheme.lower() == b"bearer" and any(hmac.compare_digest(given.strip(), k.encode()) for k in keys)
 
 
 async def _refuse(send: Send, status: int, message: str) -> None:
@@ -37,7 +37,11 @@ async def _refuse(send: Send, status: int, message: str) -> None:
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),  # a refused client gets no connection to keep streaming into
+            ],
         }
     )
     await send({"type": "http.response.body", "body": body.encode()})
