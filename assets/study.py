@@ -256,17 +256,19 @@ def write_report(root: Path, out: Path, seeds: Sequence[int]) -> str:
             first = 0 if metric == "heldout_solve_rate" else 1  # round 0 (the base) did not train
             width = min(len(r) for n in names for r in curves[n].values())  # rounds all runs finished
             x = list(range(first, width))
-            series = {}
+            series, bands = {}, {}
             for n in names:
-                runs = list(curves[n].values())
-                for stat, fn in (("mean", statistics.fmean), ("min", min), ("max", max)):
-                    values = [[r[i][metric] for r in runs] for i in x]
-                    if values and all(v is not None for vs in values for v in vs):
-                        series[f"{n} {stat}" if stat != "mean" else n] = [fn(vs) for vs in values]
+                values = [[r[i][metric] for r in curves[n].values()] for i in x]
+                if values and all(v is not None for vs in values for v in vs):
+                    series[n] = [statistics.fmean(vs) for vs in values]
+                    bands[n] = ([min(vs) for vs in values], [max(vs) for vs in values])
             if not series:
                 continue
             png = figures / f"{prefix}_{metric}.png"
-            png.write_bytes(curves_png(x, series, "round", f"{title}: {label} (mean, min, max over seeds)"))
+            chart = curves_png(
+                x, series, "round", f"{title}: {label} (mean; band: min-max over seeds)", bands
+            )
+            png.write_bytes(chart)
             lines += [f"![{title}: {label}]({figures.name}/{png.name})", ""]
         staleness = {n: _staleness_per_step(root, n, seeds) for n in names}
         steps = max(len(v) for v in staleness.values())

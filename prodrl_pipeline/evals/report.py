@@ -27,15 +27,25 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def curves_png(x: Sequence[float], series: dict[str, Sequence[float]], xlabel: str, title: str) -> bytes:
-    """One line per series against x, as PNG bytes."""
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+def curves_png(
+    x: Sequence[float],
+    series: dict[str, Sequence[float]],
+    xlabel: str,
+    title: str,
+    bands: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+) -> bytes:
+    """One line per series against x, as PNG bytes; `bands[name]` = (low, high) shades a range
+    around that series (e.g. min and max over seeds)."""
+    fig, ax = plt.subplots(figsize=(7, 3.8), dpi=100)
     for name, ys in series.items():
-        ax.plot(list(x), list(ys), marker="o", label=name)
+        (line,) = ax.plot(list(x), list(ys), marker="o", label=name)
+        if bands and name in bands:
+            low, high = bands[name]
+            ax.fill_between(list(x), list(low), list(high), color=line.get_color(), alpha=0.15)
     ax.set_xlabel(xlabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
