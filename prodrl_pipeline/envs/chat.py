@@ -12,6 +12,7 @@ import json
 import re
 import secrets
 from collections.abc import Iterable
+from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -93,6 +94,15 @@ def _held_call(function: dict, hold_all) -> dict:  # noqa: ANN001
     }
 
 
+@lru_cache(maxsize=8)
+def _markers(tokenizer: PreTrainedTokenizerBase) -> re.Pattern:
+    """A regex of the tokenizer's special tokens (the template's control markers), longest first."""
+    specials = sorted(
+        (t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True
+    )
+    return re.compile("|".join(re.escape(t) for t in specials))
+
+
 def render_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict],
@@ -111,10 +121,7 @@ def render_ids(
     templates that insert strings as they are (a template that trims, splits or escapes them is
     refused with ValueError). Dict keys (tool schemas, argument objects) are written raw by `tojson`,
     so a key containing a special token is refused too."""
-    specials = sorted(
-        (t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True
-    )
-    marker = re.compile("|".join(re.escape(t) for t in specials))
+    marker = _markers(tokenizer)
     nonce = secrets.token_hex(8)
     held: list[str] = []
 
