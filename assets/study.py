@@ -27,7 +27,7 @@ from assets.base_model import base_model
 from assets.definitions import ASSETS, ROUND_ASSETS
 from assets.partitions import round_key
 from prodrl_pipeline.evals.gate import paired_difference
-from prodrl_pipeline.evals.report import curves_png, markdown_table
+from prodrl_pipeline.evals.report import curves_png, gain_over_base, markdown_table
 from prodrl_pipeline.evals.study import (
     COMPARISONS,
     CONFIGS,
@@ -143,11 +143,6 @@ def run_study(
     return ran
 
 
-def _last_round(root: Path, c: StudyConfig, seed: int) -> int:
-    summary = round_summary(_store(root, c, seed).tables(), c.name)
-    return summary[-1]["round"] if summary else 0
-
-
 def _results(root: Path, c: StudyConfig, seed: int, k: int) -> dict[str, bool]:
     rows = stored_results(_store(root, c, seed).tables(), round_id(c.name, k))
     return {r["puzzle_id"]: r["solved"] for r in rows}
@@ -218,7 +213,8 @@ def write_report(root: Path, out: Path, seeds: Sequence[int]) -> str:
         a, b = (next(c for c in CONFIGS if c.name == n) for n in (cmp.a, cmp.b))
         diffs, ses, finals = [], [], {cmp.a: [], cmp.b: []}
         # every seed at the same round: the last one both configurations finished in all seeds
-        k = min((min(_last_round(root, a, s), _last_round(root, b, s)) for s in seeds), default=0)
+        last = {n: {s: rows[-1]["round"] for s, rows in curves[n].items()} for n in (cmp.a, cmp.b)}
+        k = min((min(last[n].get(s, 0) for n in last) for s in seeds), default=0)
         for s in seeds if k > 0 else ():
             d = paired_difference(_results(root, a, s, k), _results(root, b, s, k))
             diffs.append(d.diff)
@@ -282,8 +278,7 @@ def write_report(root: Path, out: Path, seeds: Sequence[int]) -> str:
     for n, per_seed in curves.items():
         c = next(c for c in CONFIGS if c.name == n)
         for s, r in per_seed.items():
-            base = {x["puzzle_id"]: x["solved"] for x in stored_results(_store(root, c, s).tables(), BASE)}
-            gain = paired_difference(_results(root, c, s, r[-1]["round"]), base)
+            gain = gain_over_base(_store(root, c, s).tables(), n, r[-1]["round"])
             low, high = gain.interval()
             rows.append(
                 {
