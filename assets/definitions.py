@@ -13,6 +13,7 @@ from assets.eval_report import eval_report
 from assets.jobs import base_job, round_job
 from assets.operations import eval_live_job, eval_live_schedule, maintenance_job, maintenance_schedule
 from assets.sensors import round_sensor
+from assets.study_report import study_report
 from assets.trajectories import trajectories
 from resources.lab import LabResource
 from resources.store import StoreResource
@@ -23,7 +24,7 @@ ASSETS = [base_model, *ROUND_ASSETS, *CHECKS]
 """Everything `materialize` needs to run a round with its asset checks."""
 
 defs = Definitions(
-    assets=[base_model, *ROUND_ASSETS],
+    assets=[base_model, *ROUND_ASSETS, study_report],
     asset_checks=CHECKS,
     jobs=[base_job, round_job, maintenance_job, eval_live_job],
     sensors=[round_sensor],

@@ -10,9 +10,13 @@ from dagster import MetadataValue
 from prodrl_pipeline.evals.report import curves_png, markdown_table
 
 
+def image(png: bytes, title: str) -> MetadataValue:
+    """A PNG shown inline (a data URI inside markdown)."""
+    return MetadataValue.md(f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})")
+
+
 def plot(x: Sequence[float], series: dict[str, Sequence[float]], xlabel: str, title: str) -> MetadataValue:
-    png = base64.b64encode(curves_png(x, series, xlabel, title)).decode()
-    return MetadataValue.md(f"![{title}](data:image/png;base64,{png})")
+    return image(curves_png(x, series, xlabel, title), title)
 
 
 def table(rows: Sequence[dict], columns: Sequence[str]) -> MetadataValue:

@@ -4,9 +4,9 @@ resume after an interruption, and the report."""
 import hashlib
 
 import pytest
-from dagster import instance_for_test
+from dagster import AssetKey, instance_for_test
 
-from assets.study import run_study, write_report
+from assets.study import report, run_study
 from prodrl_pipeline.evals.study import Difference, run_order, seed_difference, t975, verdict
 from tests.test_pipeline import TINY
 
@@ -33,8 +33,14 @@ def test_study_runs_resumes_and_reports(tmp_path):
         assert len(after) == 4 and {k: after[k] for k in first} == first  # round 1 untouched
         assert run_study(instance, root, ["retok16"], [0], rounds=2, defaults=TINY) == 0
 
-    out = tmp_path / "docs" / "results.md"
-    text = write_report(root, out, [0])
+        out = tmp_path / "docs" / "results.md"
+        report(instance, root, [0], out)
+        shown = instance.get_latest_materialization_event(
+            AssetKey("study_report")
+        ).asset_materialization.metadata
+    text = out.read_text()
+    assert shown["findings"].value.splitlines()[2].startswith("| recorded tokens learn better")
+    assert "data:image/png;base64," in shown["a_heldout_solve_rate"].value  # the curves in the UI
     row = next(
         line for line in text.splitlines() if line.startswith("| recorded tokens") and "16 steps" in line
     )
