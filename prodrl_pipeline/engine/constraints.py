@@ -8,11 +8,6 @@ distribution); a node with one child forces that token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
-
-from transformers import PreTrainedTokenizerBase
-
-from prodrl_pipeline.envs.chat import IM_END, tool_call_prefix
 
 
 class ChoiceConstraint:
@@ -60,21 +55,3 @@ class ChoiceConstraint:
             ((tok, state),) = state.items()
             chain.append(tok)
         return chain
-
-
-@lru_cache(maxsize=1 << 16)
-def tool_call_ids(
-    tokenizer: PreTrainedTokenizerBase, tool_name: str, argument: str, value: str
-) -> tuple[int, ...]:
-    """The completion ids of one tool call `tool_name({argument: value})` ending the turn. Cached:
-    a lab round builds a constraint per turn over ~35 legal moves, drawn from a few thousand."""
-    text = f'{tool_call_prefix(tool_name)}{{"{argument}": "{value}"}}}}</tool_call>{IM_END}'
-    return tuple(tokenizer.encode(text, add_special_tokens=False))
-
-
-def tool_choice_constraint(
-    tokenizer: PreTrainedTokenizerBase, tool_name: str, argument: str, values: Sequence[str]
-) -> ChoiceConstraint:
-    """One tool call `tool_name({argument: v})` with v among `values`, then the end of the turn.
-    The wrapper tokens are forced; only the argument's tokens are choices."""
-    return ChoiceConstraint([tool_call_ids(tokenizer, tool_name, argument, v) for v in values])

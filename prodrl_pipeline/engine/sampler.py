@@ -10,6 +10,7 @@ M extra tokens drawn from the same mu in the same multinomial call (score center
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,12 @@ from prodrl_pipeline.engine.processing import SamplingParams, processed_logprobs
 class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    """`params.seed` set: this request samples from its own generator (batch-independent)."""
     constraint: ChoiceConstraint | None = None
+    banned: tuple[int, ...] = ()
+    """Token ids removed from the kept support at every position (a mask, like the constraint)."""
+    stop: Callable[[list[int]], bool] | None = None
+    """Called with the completion's ids after each token; True ends it (finish_reason "stop")."""
 
 
 @dataclass
@@ -55,7 +61,8 @@ class TorchEngine:
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], seed: int | None = None) -> list[Completion]:
-        """Complete every request in one batch. `seed` seeds the batch's sampling RNG.
+        """Complete every request in one batch. `seed` seeds the batch's sampling RNG; a request
+        with its own `params.seed` draws from its own generator instead.
 
         Tokens forced by a constraint are fed in one forward pass (jump-forward decoding) and
         recorded as what they are: log-prob 0 under a one-token support.
@@ -64,6 +71,10 @@ class TorchEngine:
             return []
         n = len(requests)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        own = [
+            torch.Generator().manual_seed(r.params.seed) if r.params.seed is not None else None
+            for r in requests
+        ]
         temperature = torch.tensor([r.params.temperature for r in requests])
         top_k = torch.tensor([r.params.top_k for r in requests])
         top_p = torch.tensor([r.params.top_p for r in requests])
@@ -92,7 +103,13 @@ class TorchEngine:
                 result.logits[:, -1, :], temperature, top_k, top_p, b.allowed_mask()
             )
             # the sampled token and M extra samples of the same mu, in one draw
-            draws = torch.multinomial(logp.exp(), 1 + self.extra_samples, replacement=True, generator=gen)
+            probs = logp.exp()
+            draws = torch.multinomial(probs, 1 + self.extra_samples, replacement=True, generator=gen)
+            for i, g in enumerate(own):
+                if g is not None and not b.done[i]:
+                    draws[i] = torch.multinomial(
+                        probs[i], 1 + self.extra_samples, replacement=True, generator=g
+                    )
             sampled = draws[:, 0]  # [N]
             was_done = list(b.done)
             b.record_sampled(logp, sampled, draws[:, 1:])
@@ -128,13 +145,19 @@ class _Batch:
         self.done = [False] * len(requests)
 
     def allowed_mask(self) -> torch.Tensor | None:  # [N, V] bool
-        if all(s is None for s in self.states):
+        if all(s is None for s in self.states) and not any(r.banned for r in self.requests):
             return None
         allowed = torch.ones((len(self.states), self.vocab_size), dtype=torch.bool)
-        for i, s in enumerate(self.states):
-            if s is not None and not self.done[i]:
+        for i, (s, r) in enumerate(zip(self.states, self.requests, strict=True)):
+            if self.done[i]:
+                continue
+            if s is not None:
                 allowed[i] = False
                 allowed[i, list(s)] = True
+            if r.banned:
+                allowed[i, list(r.banned)] = False
+                if not allowed[i].any():
+                    raise ValueError("the banned tokens remove every token the request allows")
         return allowed
 
     def record_sampled(self, logp: torch.Tensor, sampled: torch.Tensor, extra: torch.Tensor) -> None:
@@ -201,7 +224,12 @@ class _Batch:
         c.extra_ids.append(extra_ids)
         if self.states[i] is not None:
             self.states[i] = ChoiceConstraint.advance(self.states[i], tok)
-        if tok == self.eos_id or (self.states[i] is not None and not self.states[i]):
+        stop = self.requests[i].stop
+        if (
+            tok == self.eos_id
+            or (self.states[i] is not None and not self.states[i])
+            or (stop and stop(c.token_ids))
+        ):
             self.done[i], c.finish_reason = True, "stop"
         elif len(c.token_ids) >= self.requests[i].params.max_tokens:
             self.done[i] = True

@@ -16,12 +16,12 @@ from datetime import UTC, datetime
 
 from transformers import PreTrainedTokenizerBase
 
-from prodrl_pipeline.engine.constraints import tool_choice_constraint
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import Request, TorchEngine
 from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.puzzles import Puzzle
+from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
 
 log = logging.getLogger(__name__)
 

@@ -29,12 +29,26 @@ from transformers import PreTrainedTokenizerBase
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import Completion
 from prodrl_pipeline.engine.sampler import Request as EngineRequest
-from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
+from prodrl_pipeline.envs.chat import TOOL_CALL_OPEN, parse_assistant_text, render_ids
+from prodrl_pipeline.envs.tool_choice import required_tool_call
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.gateway.guard import Guard
 from prodrl_pipeline.gateway.landing import LandingLog
-from prodrl_pipeline.gateway.protocol import ChatRequest, CompletionRequest, FeedbackRequest, SamplingFields
-from prodrl_pipeline.gateway.responses import chat_stream, logprobs_content, text_of, usage
+from prodrl_pipeline.gateway.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    FeedbackRequest,
+    ParamError,
+    SamplingFields,
+)
+from prodrl_pipeline.gateway.responses import (
+    chat_stream,
+    cut_at_stop,
+    logprobs_content,
+    stop_at,
+    text_of,
+    usage,
+)
 from prodrl_pipeline.gateway.sessions import EXPIRED_TABLE, SessionIndex
 
 TRAJECTORY_HEADER, CALL_HEADER = "X-Prodrl-Trajectory-Id", "X-Prodrl-Call-Id"
@@ -47,6 +61,8 @@ class GatewayConfig:
 
     deployment_id: str
     """The deployment served (recorded on every call; `model` in responses)."""
+    model_aliases: tuple[str, ...] = ("live",)
+    """Other names a request's `model` may give for the served deployment."""
     serve_keys: tuple[str, ...] = ()
     """API keys accepted on the serving endpoints (empty: no key needed)."""
     feedback_keys: tuple[str, ...] = ()
@@ -71,8 +87,41 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def _error(
+    status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
+) -> JSONResponse:
+    """An OpenAI-shaped error body."""
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _field_path(loc: tuple) -> str | None:
+    """The request field of a validation error's location: "body" and pydantic's union-member
+    tags (`str`, `list[TextPart]`, `NamedToolChoice`, ...) dropped."""
+    parts = [
+        str(x)
+        for x in loc[1:]
+        if isinstance(x, int) or not (x in _TYPE_TAGS or x[:1].isupper() or any(c in x for c in "[-'"))
+    ]
+    return ".".join(parts) or None
+
+
+def _validation_error(errors: list[dict]) -> JSONResponse:
+    """The most specific validation error as OpenAI words it: 400, the field in `param`."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return _error(400, "We could not parse the JSON body of your request.")
+    e = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    param = _field_path(tuple(e.get("loc", ())))
+    if e.get("type") == "extra_forbidden":
+        return _error(400, f"Unrecognized request argument supplied: {param}", param)
+    if e.get("type") == "missing":
+        return _error(400, f"Missing required parameter: {param}", param)
+    message = str(e.get("msg", "invalid request")).removeprefix("Value error, ")
+    return _error(400, f"Invalid value for {param}: {message}" if param else message, param)
 
 
 def create_app(
@@ -106,15 +155,27 @@ def create_app(
         count=lambda outcome: metrics.counts.update([outcome]),
     )
 
+    names = (cfg.deployment_id, *cfg.model_aliases)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.counts["422"] += 1
-        return _error(422, json.dumps(jsonable_errors(exc.errors())))
+        metrics.counts["400"] += 1
+        return _validation_error(list(exc.errors()))
+
+    @app.exception_handler(ParamError)
+    async def refused(_: Request, exc: ParamError) -> JSONResponse:
+        metrics.counts["400"] += 1
+        return _error(400, str(exc), exc.param)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         metrics.counts[str(exc.status_code)] += 1
         return _error(exc.status_code, str(exc.detail))
+
+    def model_error(name: str) -> JSONResponse:
+        metrics.counts["404"] += 1
+        message = f"The model `{name}` does not exist; this gateway serves {', '.join(names)}"
+        return _error(404, message, "model", "model_not_found")
 
     def room() -> None:
         if landing and not landing.has_room():
@@ -134,24 +195,40 @@ def create_app(
             return tid
         return call_id
 
-    async def run(prompt_ids: list[int], req: SamplingFields) -> tuple[Completion, SamplingParams, int]:
-        max_tokens = req.max_completion_tokens or req.max_tokens or cfg.default_max_tokens
-        if len(prompt_ids) + max_tokens > max_positions:
-            raise HTTPException(
-                422,
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
-                f"exceeds the model's {max_positions} positions",
+    async def run(
+        prompt_ids: list[int],
+        req: SamplingFields,
+        prompt_param: str,
+        constraint=None,
+        banned=(),  # noqa: ANN001
+    ) -> tuple[Completion, SamplingParams, int]:
+        """Generate one completion; every parameter is checked before anything runs."""
+        room = max_positions - len(prompt_ids)
+        asked = req.max_completion_tokens or req.max_tokens
+        if room < 1 or (asked is not None and asked > room):
+            wanted = f" + max_tokens ({asked})" if asked is not None else ""
+            raise ParamError(
+                prompt_param if asked is None else "max_tokens",
+                f"the prompt ({len(prompt_ids)} tokens){wanted} exceeds the {max_positions} positions",
             )
-        if any(not 0 <= t < engine.engine.vocab_size for t in prompt_ids):
-            raise HTTPException(422, f"prompt token ids must be in [0, {engine.engine.vocab_size})")
+        vocab = engine.engine.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ParamError(prompt_param, f"prompt token ids must be in [0, {vocab})")
+        banned = (*banned, *req.banned())
+        if any(t >= vocab for t in banned) or len(set(banned)) >= vocab:
+            raise ParamError("logit_bias", f"logit_bias bans token ids outside [0, {vocab}) or every token")
+        if constraint is not None and req.logit_bias:
+            raise ParamError("logit_bias", "logit_bias cannot be combined with a required tool call")
         params = SamplingParams(
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
-            max_tokens=max_tokens,
+            max_tokens=asked or min(cfg.default_max_tokens, room),
             seed=req.seed,
         )
-        completion, seed = await asyncio.wrap_future(engine.submit(EngineRequest(prompt_ids, params)))
+        stop = stop_at(tokenizer, req.stop) if req.stop else None
+        request = EngineRequest(prompt_ids, params, constraint=constraint, banned=banned, stop=stop)
+        completion, seed = await asyncio.wrap_future(engine.submit(request))
         return completion, params, seed
 
     def record(
@@ -208,25 +285,59 @@ def create_app(
             }
         )
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "prodrl"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [{"id": cfg.deployment_id, "object": "model", "created": started, "owned_by": "prodrl"}],
-        }
+        return {"object": "list", "data": [model_card(n) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return model_card(model_id) if model_id in names else model_error(model_id)
+
+    async def tool_choice(req: ChatRequest) -> tuple[object, tuple[int, ...]]:
+        """(constraint, banned ids) enforcing `tool_choice`."""
+        choice = req.tool_choice
+        if choice == "none" and req.tools:  # no tool call can open
+            return None, (tokenizer.convert_tokens_to_ids(TOOL_CALL_OPEN),)
+        if choice is None or choice in ("none", "auto"):
+            return None, ()
+        name = None if choice == "required" else choice.function.name
+        try:
+            return await asyncio.to_thread(required_tool_call, tokenizer, req.tools, name), ()
+        except ValueError as e:
+            raise ParamError("tool_choice", str(e)) from e
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, x_prodrl_trajectory_id: str | None = Header(None)):
         room()
+        req.check()
+        if req.model is not None and req.model not in names:
+            return model_error(req.model)
+        if req.parallel_tool_calls is False and req.tool_choice in (None, "auto"):
+            raise ParamError(
+                "parallel_tool_calls",
+                "parallel_tool_calls: false is enforced with tool_choice required or named",
+            )
         call_id = uuid.uuid4().hex
         tid = trajectory_of(req, x_prodrl_trajectory_id, call_id)
         try:  # user text stays text: only the template's markers are special tokens
             messages = [m.for_template() for m in req.messages]
             prompt_ids = await asyncio.to_thread(render_ids, tokenizer, messages, tools=req.tools)
         except Exception as e:  # a template error is the request's fault
-            raise HTTPException(422, f"messages do not render with the chat template: {e}") from e
-        c, params, seed = await run(prompt_ids, req)
-        message = parse_assistant_text(text_of(tokenizer, c), call_id_prefix=f"call_{call_id[:12]}")
+            raise ParamError("messages", f"messages do not render with the chat template: {e}") from e
+        constraint, banned = await tool_choice(req)
+        c, params, seed = await run(prompt_ids, req, "messages", constraint, banned)
+        text = (
+            cut_at_stop(text_of(tokenizer, c), req.stop)
+            if c.finish_reason == "stop"
+            else text_of(tokenizer, c)
+        )
+        if req.tool_choice == "none":
+            message = {"role": "assistant", "content": text}
+        else:
+            message = parse_assistant_text(text, call_id_prefix=f"call_{call_id[:12]}")
         metrics.counts["chat"] += 1
         finish = (
             "tool_calls" if message.get("tool_calls") else ("stop" if c.finish_reason == "stop" else "length")
@@ -244,9 +355,19 @@ def create_app(
         created = int(time.time())
         if req.stream:
             record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
                 chat_stream(
-                    tokenizer, cfg.deployment_id, call_id, created, c, message, finish, ids, logprobs
+                    tokenizer,
+                    cfg.deployment_id,
+                    call_id,
+                    created,
+                    c,
+                    message,
+                    finish,
+                    ids,
+                    logprobs,
+                    usage(prompt_ids, c) if include_usage else None,
                 ),
                 media_type="text/event-stream",
                 headers=headers,
@@ -269,17 +390,22 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, x_prodrl_trajectory_id: str | None = Header(None)):
         room()
+        req.check()
+        if req.model is not None and req.model not in names:
+            return model_error(req.model)
         if req.stream:
-            raise HTTPException(422, "stream is supported on /v1/chat/completions only")
+            raise ParamError("stream", "stream is supported on /v1/chat/completions only")
         call_id = uuid.uuid4().hex
         tid = trajectory_of(req, x_prodrl_trajectory_id, call_id)
         prompt_ids = (
             list(req.prompt)
             if isinstance(req.prompt, list)
-            else tokenizer.encode(req.prompt, add_special_tokens=False)
+            else await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=False)
         )
-        c, params, seed = await run(prompt_ids, req)
+        c, params, seed = await run(prompt_ids, req, "prompt")
         text = text_of(tokenizer, c)
+        if c.finish_reason == "stop":
+            text = cut_at_stop(text, req.stop)
         metrics.counts["completion"] += 1
         choice = {"index": 0, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
         if req.logprobs is not None:
@@ -364,7 +490,3 @@ def expire_unscored(landing: LandingLog | None, sessions: SessionIndex) -> int:
                 },
             )
     return len(expired)
-
-
-def jsonable_errors(errors: list[dict]) -> list[dict]:
-    return [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in errors]

@@ -13,7 +13,8 @@ from prodrl_pipeline.engine.sampler import Completion, Request, TorchEngine
 
 class BatchingEngine:
     """Collects up to `max_batch` requests, waiting at most `wait_ms` after the first, and runs
-    them as one batch. Each batch gets the next seed of a counter (recorded as the call's seed)."""
+    them as one batch. Each batch gets the next seed of a counter; a call's recorded seed is its
+    own `params.seed` when it has one, else its batch's."""
 
     def __init__(self, engine: TorchEngine, max_batch: int = 32, wait_ms: float = 5.0, seed: int = 0):
         self.engine, self.max_batch, self.wait = engine, max_batch, wait_ms / 1000
@@ -23,7 +24,7 @@ class BatchingEngine:
         self._thread.start()
 
     def submit(self, request: Request) -> Future:
-        """A future of (Completion, seed)."""
+        """A future of (Completion, recorded seed)."""
         future: Future = Future()
         self._queue.put((request, future))
         return future
@@ -51,8 +52,8 @@ class BatchingEngine:
             seed = next(self._seeds)
             try:
                 completions: list[Completion] = self.engine.generate([r for r, _ in batch], seed=seed)
-                for (_, f), c in zip(batch, completions, strict=True):
-                    f.set_result((c, seed))
+                for (r, f), c in zip(batch, completions, strict=True):
+                    f.set_result((c, r.params.seed if r.params.seed is not None else seed))
             except Exception as e:  # noqa: BLE001 - every waiting request gets the error; the worker lives on
                 for _, f in batch:
                     if not f.done():

@@ -31,8 +31,12 @@ def authorized(header: bytes, keys: tuple[str, ...]) -> bool:
     return scheme.lower() == b"bearer" and any(hmac.compare_digest(given.strip(), k.encode()) for k in keys)
 
 
+CODES = {401: "invalid_api_key", 413: "request_too_large"}
+
+
 async def _refuse(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}})
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": CODES.get(status)}
+    body = json.dumps({"error": error})
     await send(
         {
             "type": "http.response.start",

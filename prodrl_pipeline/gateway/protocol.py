@@ -1,4 +1,10 @@
-"""The OpenAI-compatible request schemas the gateway accepts (pydantic: a bad one is a 422)."""
+"""The OpenAI request schemas the gateway accepts, strictly: every parameter is honoured or refused.
+
+Types are strict (`"2"` is not an integer, `true` is not a number); a field the schema does not
+know is refused by name, as OpenAI does; a known OpenAI parameter the gateway cannot honour
+exactly is accepted only at its neutral value (`presence_penalty: 0`, `n: 1`, ...) and refused
+otherwise. A refusal is a 400 whose `error.param` names the field (docs/gateway.md lists them all).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,52 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+BAN = -100  # the only logit_bias value honoured: a ban removes the token from the kept support
 
-class SamplingFields(BaseModel):
-    """Sampling parameters shared by chat and completions (`top_k` is vLLM's extension)."""
 
-    model_config = ConfigDict(extra="allow")  # other OpenAI fields are accepted and ignored
+class ParamError(ValueError):
+    """A request refused because of one parameter (a 400 naming it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _utf8(value: Any, where: str) -> Any:
+    """Refuse strings a UTF-8 encoder cannot write (lone surrogates arrive through JSON escapes)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} is not valid UTF-8 text (a lone surrogate)") from e
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _utf8(k, where)
+            _utf8(v, where)
+    elif isinstance(value, list):
+        for v in value:
+            _utf8(v, where)
+    return value
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def _neutral(value: object, neutral: object, why: str) -> object:
+    if value is not None and value != neutral:
+        raise ValueError(f"{value!r} is not supported ({why}); leave it unset or {neutral!r}")
+    return value
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    """A last chunk (no choices) carries the call's usage."""
+
+
+class SamplingFields(Strict):
+    """Parameters shared by chat and completions (`top_k` is vLLM's extension)."""
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=10)
@@ -19,38 +66,89 @@ class SamplingFields(BaseModel):
     top_k: int = Field(0, ge=0, le=2**31 - 1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, int] | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per call: each call is one recorded sample")
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = None
+    # OpenAI parameters honoured only at their neutral value: each would change mu in a way the
+    # recorded columns cannot express (penalties reshape it) or is not one recorded sample
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    best_of: int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        stops = [v] if isinstance(v, str) else v
+        if stops is not None and (len(stops) > MAX_STOP or any(not s for s in stops)):
+            raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings")
+        return _utf8(stops, "stop")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, int] | None) -> dict[str, int] | None:
+        for token, bias in (v or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if bias != BAN:
+                raise ValueError(
+                    f"logit_bias {bias} for token {token}: only {BAN} (a ban) is supported; a ban narrows "
+                    "the kept support, which is recorded, while other biases reshape mu"
+                )
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v: float | None) -> float | None:
+        return _neutral(v, 0, "penalties reshape the sampled distribution, which the record cannot express")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None) -> int | None:
+        return _neutral(v, 1, "each call is one recorded sample")
+
+    def check(self) -> None:
+        """Rules across fields (ParamError)."""
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options needs stream: true")
+
+    def banned(self) -> tuple[int, ...]:
+        return tuple(sorted(int(t) for t in self.logit_bias or {}))
 
 
-class ToolFunction(BaseModel):
+class ToolFunction(Strict):
     name: str
     arguments: str | dict[str, Any] = ""
 
 
-class ToolCall(BaseModel):
+class ToolCall(Strict):
     id: str | None = None
     type: Literal["function"] = "function"
     function: ToolFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
 
+
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-    name: str | None = None
+    name: None = None  # the chat template does not render participant names
+    refusal: None = None  # clients replaying an assistant turn send it as null
 
     def for_template(self) -> dict:
         """The message as the chat template expects it (text parts joined)."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+            content = "".join(p.text for p in content)
         out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.tool_calls:
             out["tool_calls"] = [tc.model_dump(exclude_none=True) for tc in self.tool_calls]
@@ -59,23 +157,56 @@ class ChatMessage(BaseModel):
         return out
 
 
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ResponseFormat(Strict):
+    type: Literal["text"]
+
+
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("messages", "tools")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        _utf8([m.model_dump() if isinstance(m, BaseModel) else m for m in v or []], "the text")
+        return v
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ParamError("tool_choice", "tool_choice asks for a tool call but no tools are given")
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
+    suffix: None = None
     return_token_ids: bool = False
 
+    @field_validator("prompt")
+    @classmethod
+    def _text(cls, v: str | list[int]) -> str | list[int]:
+        return _utf8(v, "prompt")
 
-class FeedbackRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
+class FeedbackRequest(Strict):
     trajectory_id: str = Field(min_length=1, max_length=256)
     reward: float
     comment: str | None = Field(None, max_length=10_000)

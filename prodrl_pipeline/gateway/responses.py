@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -19,6 +19,24 @@ def shown_ids(tokenizer: PreTrainedTokenizerBase, c: Completion) -> list[int]:
 
 def text_of(tokenizer: PreTrainedTokenizerBase, c: Completion) -> str:
     return tokenizer.decode(shown_ids(tokenizer, c), skip_special_tokens=False)
+
+
+def stop_at(tokenizer: PreTrainedTokenizerBase, stops: Sequence[str]) -> Callable[[list[int]], bool]:
+    """The engine's stop predicate for stop strings: does the text of the last tokens contain one?
+    A string of L characters is at most 4L bytes, so it lies within the last 4L + 1 tokens."""
+    window = 4 * max(len(s) for s in stops) + 1
+
+    def stop(ids: list[int]) -> bool:
+        tail = tokenizer.decode(ids[-window:], skip_special_tokens=False)
+        return any(s in tail for s in stops)
+
+    return stop
+
+
+def cut_at_stop(text: str, stops: Sequence[str] | None) -> str:
+    """The text a client is shown: up to the first stop string (not included), as OpenAI does."""
+    cuts = [i for i in (text.find(s) for s in stops or ()) if i >= 0]
+    return text[: min(cuts)] if cuts else text
 
 
 def logprobs_content(tokenizer: PreTrainedTokenizerBase, c: Completion, n: int) -> list[dict]:
@@ -49,9 +67,11 @@ async def chat_stream(
     finish: str,
     ids: dict,
     logprobs: dict | None,
+    usage_chunk: dict | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events of a chat completion: role, then one content delta per token (their
-    concatenation is the message text) or the tool calls, then the finish reason and [DONE]."""
+    concatenation is the message text) or the tool calls, then the finish reason, the usage when
+    asked (`stream_options.include_usage`: a chunk with no choices) and [DONE]."""
 
     def chunk(delta: dict, finish_reason: str | None = None, **extra) -> str:
         body = {
@@ -70,9 +90,9 @@ async def chat_stream(
             yield chunk({"content": message["content"]})
         yield chunk({"tool_calls": [{**tc, "index": i} for i, tc in enumerate(message["tool_calls"])]})
     else:
-        shown, token_ids = "", shown_ids(tokenizer, c)
+        shown, token_ids, content = "", shown_ids(tokenizer, c), message["content"]
         for i in range(1, len(token_ids) + 1):
-            text = tokenizer.decode(token_ids[:i], skip_special_tokens=False)
+            text = tokenizer.decode(token_ids[:i], skip_special_tokens=False)[: len(content)]  # to a stop
             if text.startswith(shown) and len(text) > len(shown):  # a partial UTF-8 char waits a token
                 yield chunk({"content": text[len(shown) :]})
                 shown = text
@@ -84,4 +104,7 @@ async def chat_stream(
         body["choices"][0]["logprobs"] = logprobs
         final = f"data: {json.dumps(body)}\n\n"
     yield final
+    if usage_chunk is not None:
+        body = json.loads(chunk({}).removeprefix("data: "))
+        yield f"data: {json.dumps({**body, 'choices': [], 'usage': usage_chunk})}\n\n"
     yield "data: [DONE]\n\n"

@@ -24,10 +24,11 @@ import chess
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from prodrl_pipeline.engine.constraints import ChoiceConstraint, tool_call_ids, tool_choice_constraint
+from prodrl_pipeline.engine.constraints import ChoiceConstraint
 from prodrl_pipeline.envs.chat import render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode, move_text, tool_call_message
 from prodrl_pipeline.envs.puzzles import Puzzle
+from prodrl_pipeline.envs.tool_choice import tool_call_ids, tool_choice_constraint
 from prodrl_pipeline.rl.logprobs import Sequences, token_logprobs
 
 

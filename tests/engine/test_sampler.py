@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 
-from prodrl_pipeline.engine.constraints import tool_choice_constraint
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import Request, TorchEngine
 from prodrl_pipeline.envs.chat import render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
+from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
 
 
 def _reference_distribution(model, ids: list[int], params: SamplingParams, allowed: list[int] | None):
@@ -90,3 +90,43 @@ def test_seeded_generation_is_reproducible(tiny_model, tokenizer, heldout):
     a = engine.generate(reqs, seed=5)
     b = engine.generate(reqs, seed=5)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_a_request_seed_gives_the_same_draws_alone_or_in_any_batch(tiny_model, tokenizer, heldout):
+    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    prompts = [render_ids(tokenizer, ChessEpisode(p).messages) for p in heldout[:3]]
+    seeded = Request(prompts[0], SamplingParams(max_tokens=12, seed=1234))
+    alone = engine.generate([seeded], seed=1)[0]
+    others = [Request(p, SamplingParams(max_tokens=12)) for p in prompts[1:]]
+    batched = engine.generate([*others, seeded], seed=99)[-1]  # other batch seed, other neighbours
+    assert batched.token_ids == alone.token_ids
+    unseeded = [
+        engine.generate([Request(prompts[0], SamplingParams(max_tokens=12))], seed=s)[0] for s in (1, 2)
+    ]
+    assert unseeded[0].token_ids != unseeded[1].token_ids  # the draws do depend on the seed
+
+
+def test_banned_tokens_leave_the_recorded_support_and_a_stop_predicate_ends_the_completion(
+    tiny_model, tokenizer, heldout
+):
+    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id, top_logprobs=5)
+    prompt = render_ids(tokenizer, ChessEpisode(heldout[0]).messages)
+    free = engine.generate([Request(prompt, SamplingParams(max_tokens=8, seed=7))])[0]
+    banned = tuple(free.topk_ids[0][:3])  # the three likeliest first tokens
+    out = engine.generate([Request(prompt, SamplingParams(max_tokens=8, seed=7), banned=banned)])[0]
+    for t in range(len(out.token_ids)):
+        assert out.support_size[t] == engine.vocab_size - 3
+        assert not set(banned) & set(out.topk_ids[t]) and not set(banned) & set(out.support_ids[t])
+        assert len(out.support_ids[t]) == engine.vocab_size - 3  # the support beside the head
+    seen = []
+    stop = engine.generate(
+        [
+            Request(
+                prompt,
+                SamplingParams(max_tokens=8, seed=7),
+                stop=lambda ids: seen.append(list(ids)) or len(ids) == 3,
+            )
+        ]
+    )[0]
+    assert stop.token_ids == free.token_ids[:3] and stop.finish_reason == "stop"
+    assert seen == [free.token_ids[:n] for n in (1, 2, 3)]  # asked after every token

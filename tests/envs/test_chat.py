@@ -1,7 +1,6 @@
 import chess
 import pytest
 
-from prodrl_pipeline.engine.constraints import tool_choice_constraint
 from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
 from prodrl_pipeline.envs.chess_env import (
     MOVE_TOOL,
@@ -10,6 +9,7 @@ from prodrl_pipeline.envs.chess_env import (
     move_text,
     tool_call_message,
 )
+from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
 
 
 def test_every_training_move_is_one_token_in_list_and_argument(tokenizer, train_puzzles):
@@ -24,7 +24,8 @@ def test_every_training_move_is_one_token_in_list_and_argument(tokenizer, train_
 
 def test_a_split_held_out_move_is_still_playable_through_the_constraint(tokenizer, heldout):
     """A held-out move string that is not a token: the constraint trie walks its BPE pieces."""
-    from prodrl_pipeline.engine.constraints import ChoiceConstraint, tool_call_ids, tool_choice_constraint
+    from prodrl_pipeline.engine.constraints import ChoiceConstraint
+    from prodrl_pipeline.envs.tool_choice import tool_call_ids
 
     vocab = tokenizer.get_vocab()
     board, move = next(

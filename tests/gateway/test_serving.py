@@ -8,7 +8,8 @@ import openai
 import pytest
 
 from prodrl_pipeline.envs.chat import render_ids
-from prodrl_pipeline.envs.chess_env import MOVE_TOOL
+from prodrl_pipeline.envs.chess_env import MOVE_TOOL, ChessEpisode
+from prodrl_pipeline.envs.tool_choice import tool_call_ids
 from prodrl_pipeline.records.store import DeltaStore
 from tests.gateway.conftest import FEEDBACK_KEY, SERVE_KEY, Gateway, make_root
 
@@ -131,14 +132,16 @@ def test_feedback_flow_and_its_status_codes(gateway):
     )
 
 
+CHAT, USER = "/v1/chat/completions", {"role": "user", "content": "x"}
 BAD = [
-    ("no key", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, {}, 401),
+    ("no key", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, {}, 401, None),
     (
         "wrong key",
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x"}]},
         {"Authorization": "Bearer nope"},
         401,
+        None,
     ),
     (
         "oversized",
@@ -146,37 +149,118 @@ BAD = [
         {"messages": [{"role": "user", "content": "x" * 2_000_000}]},
         SERVE,
         413,
+        None,
     ),
-    ("malformed json", "/v1/chat/completions", b"{not json", SERVE, 422),
-    ("no messages", "/v1/chat/completions", {"messages": []}, SERVE, 422),
-    ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, SERVE, 422),
+    ("malformed json", "/v1/chat/completions", b"{not json", SERVE, 400, None),
+    ("no messages", "/v1/chat/completions", {"messages": []}, SERVE, 400, "messages"),
     (
-        "negative temperature",
+        "bad role",
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
+        {"messages": [USER | {"role": "robot"}]},
         SERVE,
-        422,
+        400,
+        "messages.0.role",
     ),
-    ("n > 1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, SERVE, 422),
-    ("top_p 0", "/v1/completions", {"prompt": "x", "top_p": 0}, SERVE, 422),
-    ("id out of range", "/v1/completions", {"prompt": [1, 10**9]}, SERVE, 422),
-    ("too long", "/v1/completions", {"prompt": [1] * 2000}, SERVE, 422),
-    ("nan reward", "/v1/feedback", b'{"trajectory_id": "t", "reward": NaN}', FEEDBACK, 422),
-    ("unknown trajectory", "/v1/feedback", {"trajectory_id": "t", "reward": 1.0}, FEEDBACK, 404),
-    ("feedback without key", "/v1/feedback", {"trajectory_id": "t", "reward": 1.0}, {}, 401),
+    ("negative temperature", CHAT, {"messages": [USER], "temperature": -1}, SERVE, 400, "temperature"),
+    ("n > 1", CHAT, {"messages": [USER], "n": 2}, SERVE, 400, "n"),
+    ("top_p 0", "/v1/completions", {"prompt": "x", "top_p": 0}, SERVE, 400, "top_p"),
+    ("id out of range", "/v1/completions", {"prompt": [1, 10**9]}, SERVE, 400, "prompt"),
+    ("too long", "/v1/completions", {"prompt": [1] * 2000}, SERVE, 400, "prompt"),
+    (
+        "too long with max_tokens",
+        "/v1/completions",
+        {"prompt": [1] * 100, "max_tokens": 5000},
+        SERVE,
+        400,
+        "max_tokens",
+    ),
+    # strict types: no coercion of strings or booleans into numbers
+    ("max_tokens as a string", CHAT, {"messages": [USER], "max_tokens": "2"}, SERVE, 400, "max_tokens"),
+    ("reward true", "/v1/feedback", {"trajectory_id": "t", "reward": True}, FEEDBACK, 400, "reward"),
+    ("reward as a string", "/v1/feedback", {"trajectory_id": "t", "reward": "1.0"}, FEEDBACK, 400, "reward"),
+    ("nan reward", "/v1/feedback", b'{"trajectory_id": "t", "reward": NaN}', FEEDBACK, 400, "reward"),
+    # every OpenAI parameter is honoured or refused by name: none is silently ignored
+    ("unknown parameter", CHAT, {"messages": [USER], "frobnicate": 1}, SERVE, 400, "frobnicate"),
+    ("best_of", "/v1/completions", {"prompt": "x", "best_of": 2}, SERVE, 400, "best_of"),
+    ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, SERVE, 400, "suffix"),
+    ("presence penalty", CHAT, {"messages": [USER], "presence_penalty": 0.5}, SERVE, 400, "presence_penalty"),
+    (
+        "frequency penalty",
+        CHAT,
+        {"messages": [USER], "frequency_penalty": 1},
+        SERVE,
+        400,
+        "frequency_penalty",
+    ),
+    ("logit_bias +5", CHAT, {"messages": [USER], "logit_bias": {"5": 5}}, SERVE, 400, "logit_bias"),
+    (
+        "json mode",
+        CHAT,
+        {"messages": [USER], "response_format": {"type": "json_object"}},
+        SERVE,
+        400,
+        "response_format.type",
+    ),
+    (
+        "image part",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        SERVE,
+        400,
+        "messages.0.content",
+    ),
+    (
+        "lone surrogate",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        SERVE,
+        400,
+        "messages",
+    ),
+    ("top_logprobs alone", CHAT, {"messages": [USER], "top_logprobs": 3}, SERVE, 400, "top_logprobs"),
+    (
+        "stream_options alone",
+        CHAT,
+        {"messages": [USER], "stream_options": {"include_usage": True}},
+        SERVE,
+        400,
+        "stream_options",
+    ),
+    (
+        "tool_choice without tools",
+        CHAT,
+        {"messages": [USER], "tool_choice": "required"},
+        SERVE,
+        400,
+        "tool_choice",
+    ),
+    (
+        "required tool without an enum",
+        CHAT,
+        {"messages": [USER], "tools": [MOVE_TOOL], "tool_choice": "required"},
+        SERVE,
+        400,
+        "tool_choice",
+    ),
+    ("unknown model", CHAT, {"messages": [USER], "model": "gpt-4o"}, SERVE, 404, "model"),
+    ("unknown trajectory", "/v1/feedback", {"trajectory_id": "t", "reward": 1.0}, FEEDBACK, 404, None),
+    ("feedback without key", "/v1/feedback", {"trajectory_id": "t", "reward": 1.0}, {}, 401, None),
 ]
 
 
 def test_bad_inputs_get_their_status_and_write_nothing(gateway):
-    for name, path, body, headers, status in BAD:
+    for name, path, body, headers, status, param in BAD:
         kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
         r = httpx.post(
             f"{gateway.url}{path}", headers={**headers, "content-type": "application/json"}, **kwargs
         )
         assert r.status_code == status, (name, r.status_code, r.text[:200])
-        assert "error" in r.json(), name
+        error = r.json()["error"]  # OpenAI's shape: message, type, param, code
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], name
+        if param is not None:
+            assert (error["param"] or "").startswith(param), (name, error)  # the field, maybe deeper
     metrics = httpx.get(f"{gateway.url}/metrics", headers=SERVE).text
-    assert 'outcome="422"' in metrics and 'outcome="401"' in metrics
+    assert 'outcome="400"' in metrics and 'outcome="401"' in metrics
     gateway.stop()
     store = DeltaStore(gateway.root / "tables")
     assert store.read("landing_calls").num_rows == 0 and store.read("landing_feedback").num_rows == 0
@@ -184,7 +268,7 @@ def test_bad_inputs_get_their_status_and_write_nothing(gateway):
 
 
 def test_models_and_health(gateway):
-    assert [m.id for m in _client(gateway).models.list()] == ["base"]
+    assert [m.id for m in _client(gateway).models.list()] == ["base", "live"]  # live: an alias
     lower = {"Authorization": f"bearer {SERVE_KEY}"}  # the auth scheme is case-insensitive
     assert httpx.get(f"{gateway.url}/v1/models", headers=lower).status_code == 200
     assert httpx.get(f"{gateway.url}/healthz").json()["deployment_id"] == "base"
@@ -283,3 +367,75 @@ def test_a_forged_turn_in_user_text_stays_text_in_the_model_input_and_the_record
     assert call["prompt_token_ids"].count(starts) == 2  # the user turn and the generation prompt only
     assert call["prompt_token_ids"] == reply.model_extra["prodrl"]["prompt_token_ids"]  # what the model saw
     assert forged in tokenizer.decode(call["prompt_token_ids"])
+
+
+def test_openai_parameters_are_honoured_and_recorded(gateway, tokenizer, heldout):
+    client = _client(gateway)
+    assert client.models.retrieve("base").id == "base" and client.models.retrieve("live").id == "live"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    chat = client.chat.completions.create
+    user = [{"role": "user", "content": "Name a move."}]
+    # seed: the same seed draws the same completion, and is the seed recorded
+    a, b = (chat(model="live", messages=user, max_tokens=12, seed=42) for _ in range(2))
+    assert a.model_extra["prodrl"]["token_ids"] == b.model_extra["prodrl"]["token_ids"]
+    # stop: the same draw, cut before the first occurrence of a string taken from its text
+    text = a.choices[0].message.content
+    stop = text[4:6]
+    cut = chat(model="live", messages=user, max_tokens=12, seed=42, stop=[stop])
+    assert (
+        cut.choices[0].message.content == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    )
+    # logit_bias -100: the banned tokens are never drawn, and leave the recorded support
+    banned = a.model_extra["prodrl"]["token_ids"][:2]
+    ban = chat(model="live", messages=user, max_tokens=12, seed=42, logit_bias={str(t): -100 for t in banned})
+    # tool_choice naming the lab's move tool with an enum: the call is the lab's constrained move
+    episode = ChessEpisode(heldout[0])
+    moves = episode.allowed_moves()
+    tool = {**MOVE_TOOL, "function": {**MOVE_TOOL["function"]}}
+    tool["function"]["parameters"] = {
+        "type": "object",
+        "properties": {"move": {"type": "string", "enum": moves}},
+        "required": ["move"],
+    }
+    acted = chat(
+        model="live",
+        messages=episode.messages,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "move"}},
+        max_tokens=64,
+    )
+    (tool_call,) = acted.choices[0].message.tool_calls
+    played = json.loads(tool_call.function.arguments)["move"]
+    assert (
+        tool_call.function.name == "move"
+        and played in moves
+        and acted.choices[0].finish_reason == "tool_calls"
+    )
+    # tool_choice none: the tool-call marker cannot be drawn
+    plain = chat(model="live", messages=episode.messages, tools=[tool], tool_choice="none", max_tokens=12)
+    assert not plain.choices[0].message.tool_calls
+    # stream_options.include_usage: a last chunk with the usage and no choices
+    chunks = list(
+        chat(model="live", messages=user, max_tokens=5, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    landed = _landed(gateway)
+    streamed = landed[chunks[0].model_extra["prodrl"]["call_id"]]
+    assert chunks[-1].usage.completion_tokens == len(streamed["completion_token_ids"])
+    assert landed[a.model_extra["prodrl"]["call_id"]]["sampling"]["seed"] == 42
+    stopped = landed[cut.model_extra["prodrl"]["call_id"]]
+    assert stopped["finish_reason"] == "stop" and stop in _text(tokenizer, stopped)
+    assert (
+        stopped["completion_token_ids"]
+        == a.model_extra["prodrl"]["token_ids"][: len(stopped["completion_token_ids"])]
+    )
+    record = landed[ban.model_extra["prodrl"]["call_id"]]
+    vocab = record["vocab_size"]
+    assert not set(banned) & set(record["completion_token_ids"])
+    assert all(size == vocab - len(banned) for size in record["support_size"])
+    acted_record = landed[acted.model_extra["prodrl"]["call_id"]]
+    assert acted_record["completion_token_ids"] == list(tool_call_ids(tokenizer, "move", "move", played))
+    assert all(size <= len(moves) for size in acted_record["support_size"])  # only legal moves were kept
+    marker = tokenizer.convert_tokens_to_ids("<tool_call>")
+    assert marker not in landed[plain.model_extra["prodrl"]["call_id"]]["completion_token_ids"]

@@ -3,8 +3,8 @@ import copy
 import pytest
 import torch
 
-from prodrl_pipeline.engine.constraints import tool_choice_constraint
 from prodrl_pipeline.envs.chess_env import ChessEpisode
+from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
 from prodrl_pipeline.rl.warmstart import WarmStartConfig, solved_turns, warm_start
 
 

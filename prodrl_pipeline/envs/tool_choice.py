@@ -1,0 +1,91 @@
+"""Tool calls as structured outputs: the completions a required tool call may take, as a
+`ChoiceConstraint` over the chat format's tool-call ids.
+
+The lab asks for `move({"move": m})` with m among the legal moves; the gateway asks for the same
+when a client sends `tool_choice` with tools whose one parameter is a string `enum` (the only
+argument schema a choice constraint expresses exactly). The format's markers (`<tool_call>`,
+`</tool_call>`, `<|im_end|>`) are the only special tokens; names and values are plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from functools import lru_cache
+
+from transformers import PreTrainedTokenizerBase
+
+from prodrl_pipeline.engine.constraints import ChoiceConstraint
+from prodrl_pipeline.envs.chat import IM_END, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, tool_call_prefix
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+def _call_ids(
+    tokenizer: PreTrainedTokenizerBase, tool_name: str, argument: str, value: str
+) -> tuple[int, ...]:
+    if not TOOL_NAME.fullmatch(tool_name):
+        raise ValueError(f"tool name {tool_name!r} is not 1-64 characters of [A-Za-z0-9_-]")
+    body = tool_call_prefix(tool_name).removeprefix(TOOL_CALL_OPEN)
+    body += json.dumps({argument: value}, ensure_ascii=False) + "}"
+    marker = tokenizer.convert_tokens_to_ids
+    text = tokenizer(body, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return (marker(TOOL_CALL_OPEN), *text, marker(TOOL_CALL_CLOSE), marker(IM_END))
+
+
+@lru_cache(maxsize=1 << 16)
+def tool_call_ids(
+    tokenizer: PreTrainedTokenizerBase, tool_name: str, argument: str, value: str
+) -> tuple[int, ...]:
+    """The completion ids of one tool call `tool_name({argument: value})` ending the turn. Cached
+    for the lab (a round builds a constraint per turn over ~35 legal moves, drawn from a few
+    thousand); client-given values go through the uncached path, which a client cannot fill."""
+    return _call_ids(tokenizer, tool_name, argument, value)
+
+
+def tool_choice_constraint(
+    tokenizer: PreTrainedTokenizerBase, tool_name: str, argument: str, values: Sequence[str]
+) -> ChoiceConstraint:
+    """One tool call `tool_name({argument: v})` with v among `values`, then the end of the turn.
+    The wrapper tokens are forced; only the argument's tokens are choices."""
+    return ChoiceConstraint([tool_call_ids(tokenizer, tool_name, argument, v) for v in values])
+
+
+def _enum_argument(tool: dict) -> tuple[str, str, list[str]]:
+    """(name, argument, values) of a tool whose parameters are one string property with an enum."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ValueError("every tool needs function.name")
+    params = function.get("parameters") or {}
+    props = params.get("properties") if isinstance(params, dict) else None
+    if isinstance(props, dict) and len(props) == 1:
+        ((argument, schema),) = props.items()
+        values = schema.get("enum") if isinstance(schema, dict) else None
+        if (
+            isinstance(values, list)
+            and values
+            and all(isinstance(v, str) for v in values)
+            and schema.get("type", "string") == "string"
+        ):
+            return name, argument, values
+    raise ValueError(
+        f"tool {name!r}: a required tool call is constrained to a choice, so its parameters must be "
+        "one string property with an `enum` of the allowed values"
+    )
+
+
+def required_tool_call(
+    tokenizer: PreTrainedTokenizerBase, tools: Sequence[dict], name: str | None = None
+) -> ChoiceConstraint:
+    """`tool_choice: "required"` (any of `tools`) or a named tool: a constraint over every call
+    the chosen tools' enums allow. ValueError when a chosen tool's schema is not such an enum."""
+    chosen = [t for t in tools if name is None or (t.get("function") or {}).get("name") == name]
+    if not chosen:
+        raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    sequences = []
+    for tool in chosen:
+        tool_name, argument, values = _enum_argument(tool)
+        sequences += [_call_ids(tokenizer, tool_name, argument, v) for v in dict.fromkeys(values)]
+    return ChoiceConstraint(sequences)
