@@ -57,9 +57,10 @@ class VLLMEngine:
         return list(self.pool.map(lambda r: self._one(r, seed), requests))
 
     def _one(self, req: Request, seed: int | None) -> Completion:
-        if req.constraint is not None:
+        if req.constraint is not None or req.banned or req.stop is not None:
             raise NotImplementedError(
-                "structured outputs through vLLM need its guided decoding (not wired yet)"
+                "tool_choice, logit_bias and stop through vLLM need its guided decoding, logit bias "
+                "and stop handling recorded into the same columns (not wired yet)"
             )
         p, k = req.params, self.top_logprobs
         greedy = p.temperature == 0

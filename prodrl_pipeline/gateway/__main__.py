@@ -57,6 +57,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         feedback_keys=keys("PRODRL_FEEDBACK_KEYS"),
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.max_tokens,
+        model_aliases=tuple(args.model_alias),
         record=not args.no_record,
     )
     sessions = SessionIndex(args.ttl)
@@ -90,6 +91,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--spool", help="spool folder (default: <root>/spool)")
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens")
+    p.add_argument(
+        "--model-alias",
+        action="append",
+        default=["live"],
+        help="another name a request's `model` may use for the served deployment (repeatable)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=1_000_000)
     p.add_argument("--top-logprobs", type=int, default=20, help="K: head of mu recorded per position")
     p.add_argument("--extra-samples", type=int, default=0, help="M extra samples recorded per position")
