@@ -24,7 +24,7 @@ from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.records.registry import BASE, round_id
 from prodrl_pipeline.records.snapshot import snapshot_production
 from prodrl_pipeline.records.store import DeltaStore
-from prodrl_pipeline.records.validate import split_valid
+from prodrl_pipeline.records.validate import prefix_continuity, split_valid
 from resources.lab import LabResource
 from resources.store import StoreResource
 
@@ -92,6 +92,7 @@ def _trajectories_round(
     else:
         calls, trajs = _collect_lab(context, lab, live, k, n)
     calls, trajs, rejects = split_valid(calls, trajs)
+    extending, later = prefix_continuity(calls)
     tables.overwrite_round("calls", calls, k)
     tables.overwrite_round("trajectories", trajs, k)
     tables.overwrite("rejects", rejects, f"round = {k} AND table_name IN ('calls', 'trajectories')")
@@ -99,6 +100,9 @@ def _trajectories_round(
         metadata={
             **_summary(trajs, tables, reused=False, n_calls=len(calls), n_rejects=len(rejects)),
             "source": lab.source,
+            # multi-turn calls whose prompt extends the previous call's prompt + completion exactly
+            "prefix_continuity": extending / later if later else float("nan"),
+            "prefix_breaks": later - extending,
             **pinned,
         }
     )

@@ -26,8 +26,6 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     """`params.seed` set: this request samples from its own generator (batch-independent)."""
     constraint: ChoiceConstraint | None = None
-    banned: tuple[int, ...] = ()
-    """Token ids removed from the kept support at every position (a mask, like the constraint)."""
     stop: Callable[[list[int]], bool] | None = None
     """Called with the completion's ids after each token; True ends it (finish_reason "stop")."""
 
@@ -46,6 +44,9 @@ class Completion:
 
 class TorchEngine:
     """Serves a causal LM (already holding the deployed weights) on CPU or GPU."""
+
+    honours = frozenset({"stop", "tool_choice"})
+    """Request features beyond sampling parameters: stop predicates, constraints."""
 
     def __init__(
         self, model: PreTrainedModel, eos_id: int, pad_id: int, top_logprobs: int = 20, extra_samples: int = 0
@@ -105,8 +106,8 @@ class TorchEngine:
             # the sampled token and M extra samples of the same mu, in one draw
             probs = logp.exp()
             draws = torch.multinomial(probs, 1 + self.extra_samples, replacement=True, generator=gen)
-            for i, g in enumerate(own):
-                if g is not None and not b.done[i]:
+            for i, g in enumerate(own):  # a one-token support is forced, not drawn: no draw used
+                if g is not None and not b.done[i] and int((probs[i] > 0).sum()) > 1:
                     draws[i] = torch.multinomial(
                         probs[i], 1 + self.extra_samples, replacement=True, generator=g
                     )
@@ -145,19 +146,13 @@ class _Batch:
         self.done = [False] * len(requests)
 
     def allowed_mask(self) -> torch.Tensor | None:  # [N, V] bool
-        if all(s is None for s in self.states) and not any(r.banned for r in self.requests):
+        if all(s is None for s in self.states):
             return None
         allowed = torch.ones((len(self.states), self.vocab_size), dtype=torch.bool)
-        for i, (s, r) in enumerate(zip(self.states, self.requests, strict=True)):
-            if self.done[i]:
-                continue
-            if s is not None:
+        for i, s in enumerate(self.states):
+            if s is not None and not self.done[i]:
                 allowed[i] = False
                 allowed[i, list(s)] = True
-            if r.banned:
-                allowed[i, list(r.banned)] = False
-                if not allowed[i].any():
-                    raise ValueError("the banned tokens remove every token the request allows")
         return allowed
 
     def record_sampled(self, logp: torch.Tensor, sampled: torch.Tensor, extra: torch.Tensor) -> None:
@@ -197,10 +192,13 @@ class _Batch:
             if self.done[i]:
                 out.append([self.pad_id] * m)
                 continue
-            chain = next(it)[:m]
-            for tok in chain:
+            chain = []
+            for tok in next(it)[:m]:
+                if self.done[i]:  # a stop predicate ended the row inside the chain
+                    break
                 self.append(i, tok, 0.0, [tok], [0.0], 1, [], [tok] * self.extra_samples)
-            out.append(chain)
+                chain.append(tok)
+            out.append(chain + [self.pad_id] * (m - len(chain)))
         return out
 
     def append(

@@ -30,6 +30,9 @@ def _token_id(token: str) -> int:
 
 
 class VLLMEngine:
+    honours = frozenset()
+    """Stop strings and tool-call constraints are not wired through vLLM yet: the gateway refuses them."""
+
     def __init__(
         self,
         base_url: str,
@@ -57,11 +60,8 @@ class VLLMEngine:
         return list(self.pool.map(lambda r: self._one(r, seed), requests))
 
     def _one(self, req: Request, seed: int | None) -> Completion:
-        if req.constraint is not None or req.banned or req.stop is not None:
-            raise NotImplementedError(
-                "tool_choice, logit_bias and stop through vLLM need its guided decoding, logit bias "
-                "and stop handling recorded into the same columns (not wired yet)"
-            )
+        if req.constraint is not None or req.stop is not None:
+            raise NotImplementedError("constraints and stop predicates through vLLM are not wired yet")
         p, k = req.params, self.top_logprobs
         greedy = p.temperature == 0
         restricted = greedy or p.top_p < 1 or 0 < p.top_k < self.vocab_size

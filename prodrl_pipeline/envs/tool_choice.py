@@ -20,6 +20,7 @@ from prodrl_pipeline.engine.constraints import ChoiceConstraint
 from prodrl_pipeline.envs.chat import IM_END, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, tool_call_prefix
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+MAX_CHOICES, MAX_CHOICE_CHARS = 1000, 256  # bounds on a client's enum: OpenAI's count, a length
 
 
 def _call_ids(
@@ -29,9 +30,14 @@ def _call_ids(
         raise ValueError(f"tool name {tool_name!r} is not 1-64 characters of [A-Za-z0-9_-]")
     body = tool_call_prefix(tool_name).removeprefix(TOOL_CALL_OPEN)
     body += json.dumps({argument: value}, ensure_ascii=False) + "}"
-    marker = tokenizer.convert_tokens_to_ids
+    markers = []
+    for token in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, IM_END):
+        i = tokenizer.convert_tokens_to_ids(token)
+        if i is None or (i == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise ValueError(f"the tokenizer has no {token} token: tool calls cannot be constrained")
+        markers.append(i)
     text = tokenizer(body, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return (marker(TOOL_CALL_OPEN), *text, marker(TOOL_CALL_CLOSE), marker(IM_END))
+    return (markers[0], *text, markers[1], markers[2])
 
 
 @lru_cache(maxsize=1 << 16)
@@ -54,11 +60,10 @@ def tool_choice_constraint(
 
 def _enum_argument(tool: dict) -> tuple[str, str, list[str]]:
     """(name, argument, values) of a tool whose parameters are one string property with an enum."""
-    function = tool.get("function") if isinstance(tool, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
+    name = _tool_name(tool)
     if not isinstance(name, str):
         raise ValueError("every tool needs function.name")
-    params = function.get("parameters") or {}
+    params = tool["function"].get("parameters") or {}
     props = params.get("properties") if isinstance(params, dict) else None
     if isinstance(props, dict) and len(props) == 1:
         ((argument, schema),) = props.items()
@@ -81,11 +86,22 @@ def required_tool_call(
 ) -> ChoiceConstraint:
     """`tool_choice: "required"` (any of `tools`) or a named tool: a constraint over every call
     the chosen tools' enums allow. ValueError when a chosen tool's schema is not such an enum."""
-    chosen = [t for t in tools if name is None or (t.get("function") or {}).get("name") == name]
+    chosen = [t for t in tools if name is None or _tool_name(t) == name]
     if not chosen:
         raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
-    sequences = []
-    for tool in chosen:
-        tool_name, argument, values = _enum_argument(tool)
-        sequences += [_call_ids(tokenizer, tool_name, argument, v) for v in dict.fromkeys(values)]
-    return ChoiceConstraint(sequences)
+    calls = [
+        (tool_name, argument, v)
+        for t in chosen
+        for tool_name, argument, vs in [_enum_argument(t)]
+        for v in vs
+    ]
+    if len(calls) > MAX_CHOICES or any(len(v) > MAX_CHOICE_CHARS for _, _, v in calls):
+        raise ValueError(
+            f"a required tool call allows at most {MAX_CHOICES} values of {MAX_CHOICE_CHARS} characters"
+        )
+    return ChoiceConstraint([_call_ids(tokenizer, *call) for call in dict.fromkeys(calls)])
+
+
+def _tool_name(tool: object) -> object:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    return function.get("name") if isinstance(function, dict) else None

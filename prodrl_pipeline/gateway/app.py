@@ -26,10 +26,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
+from prodrl_pipeline.engine.constraints import ChoiceConstraint
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import Completion
 from prodrl_pipeline.engine.sampler import Request as EngineRequest
-from prodrl_pipeline.envs.chat import TOOL_CALL_OPEN, parse_assistant_text, render_ids
+from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
 from prodrl_pipeline.envs.tool_choice import required_tool_call
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.gateway.guard import Guard
@@ -78,6 +79,8 @@ class GatewayConfig:
 @dataclass
 class Metrics:
     counts: Counter = field(default_factory=Counter)
+    prefix: Counter = field(default_factory=Counter)
+    """Later calls of a trajectory whose prompt extends / breaks its previous prompt + completion."""
 
     def render(self, gauges: dict[str, float]) -> str:
         lines = [
@@ -181,6 +184,16 @@ def create_app(
         if landing and not landing.has_room():
             raise HTTPException(503, "recording backlog is full; retry later")
 
+    def open_trajectory(req: SamplingFields, header: str | None, call_id: str) -> str:
+        """The call's trajectory id, refused (409) when that trajectory expired unscored."""
+        tid = trajectory_of(req, header, call_id)
+        if sessions.is_expired(tid):
+            raise HTTPException(
+                409,
+                f"trajectory {tid!r} expired unscored (TTL {sessions.ttl:g} s); start a new trajectory id",
+            )
+        return tid
+
     def trajectory_of(req: SamplingFields, header: str | None, call_id: str) -> str:
         given = [
             (TRAJECTORY_HEADER, header),
@@ -195,14 +208,9 @@ def create_app(
             return tid
         return call_id
 
-    async def run(
-        prompt_ids: list[int],
-        req: SamplingFields,
-        prompt_param: str,
-        constraint=None,
-        banned=(),  # noqa: ANN001
-    ) -> tuple[Completion, SamplingParams, int]:
-        """Generate one completion; every parameter is checked before anything runs."""
+    def sampling(prompt_ids: list[int], req: SamplingFields, prompt_param: str) -> SamplingParams:
+        """The call's sampling parameters, once the prompt and every parameter are checked against
+        the model and the engine (ParamError otherwise)."""
         room = max_positions - len(prompt_ids)
         asked = req.max_completion_tokens or req.max_tokens
         if room < 1 or (asked is not None and asked > room):
@@ -214,22 +222,29 @@ def create_app(
         vocab = engine.engine.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ParamError(prompt_param, f"prompt token ids must be in [0, {vocab})")
-        banned = (*banned, *req.banned())
-        if any(t >= vocab for t in banned) or len(set(banned)) >= vocab:
-            raise ParamError("logit_bias", f"logit_bias bans token ids outside [0, {vocab}) or every token")
-        if constraint is not None and req.logit_bias:
-            raise ParamError("logit_bias", "logit_bias cannot be combined with a required tool call")
-        params = SamplingParams(
+        if req.stop and "stop" not in engine.engine.honours:
+            raise ParamError("stop", "stop strings are not supported by this gateway's engine yet")
+        shown = getattr(req, "top_logprobs", None) or getattr(req, "logprobs", None)
+        if isinstance(shown, int) and not isinstance(shown, bool) and shown > engine.engine.top_logprobs:
+            param = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
+            raise ParamError(param, f"this gateway records the top {engine.engine.top_logprobs} log-probs")
+        return SamplingParams(
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
             max_tokens=asked or min(cfg.default_max_tokens, room),
             seed=req.seed,
         )
-        stop = stop_at(tokenizer, req.stop) if req.stop else None
-        request = EngineRequest(prompt_ids, params, constraint=constraint, banned=banned, stop=stop)
-        completion, seed = await asyncio.wrap_future(engine.submit(request))
-        return completion, params, seed
+
+    async def generate(
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stops: list[str] | None,
+        constraint=None,  # noqa: ANN001
+    ) -> tuple[Completion, int]:
+        stop = stop_at(tokenizer, stops) if stops else None
+        request = EngineRequest(prompt_ids, params, constraint=constraint, stop=stop)
+        return await asyncio.wrap_future(engine.submit(request))
 
     def record(
         call_id: str,
@@ -241,6 +256,9 @@ def create_app(
         messages: list[dict] | dict,
     ) -> None:
         index = sessions.next_call_index(tid)
+        extends = sessions.follow(tid, prompt_ids, c.token_ids)
+        if extends is not None:
+            metrics.prefix["extends" if extends else "breaks"] += 1
         if not (landing and cfg.record):
             return
         landing.append(
@@ -282,6 +300,8 @@ def create_app(
                 "committed_records": landing.committed_records if landing else 0,
                 "trajectories": len(sessions),
                 "expired_trajectories": sessions.n_expired,
+                "prefix_extends_total": metrics.prefix["extends"],
+                "prefix_breaks_total": metrics.prefix["breaks"],
             }
         )
 
@@ -296,21 +316,26 @@ def create_app(
     async def model(model_id: str):
         return model_card(model_id) if model_id in names else model_error(model_id)
 
-    async def tool_choice(req: ChatRequest) -> tuple[object, tuple[int, ...]]:
-        """(constraint, banned ids) enforcing `tool_choice`."""
+    async def required_call(req: ChatRequest) -> ChoiceConstraint | None:
+        """The constraint enforcing `tool_choice` required or named (None for auto and none: as
+        vLLM does, `none` keeps the tools in the prompt and returns the text as content)."""
         choice = req.tool_choice
-        if choice == "none" and req.tools:  # no tool call can open
-            return None, (tokenizer.convert_tokens_to_ids(TOOL_CALL_OPEN),)
         if choice is None or choice in ("none", "auto"):
-            return None, ()
+            return None
+        if "tool_choice" not in engine.engine.honours:
+            raise ParamError(
+                "tool_choice", "required or named tool calls are not supported by this engine yet"
+            )
+        if req.stop:
+            raise ParamError("stop", "stop cannot cut a required tool call")
         name = None if choice == "required" else choice.function.name
         try:
-            return await asyncio.to_thread(required_tool_call, tokenizer, req.tools, name), ()
+            return await asyncio.to_thread(required_tool_call, tokenizer, req.tools, name)
         except ValueError as e:
             raise ParamError("tool_choice", str(e)) from e
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, x_prodrl_trajectory_id: str | None = Header(None)):
+    async def chat(request: Request, req: ChatRequest, x_prodrl_trajectory_id: str | None = Header(None)):
         room()
         req.check()
         if req.model is not None and req.model not in names:
@@ -321,14 +346,14 @@ def create_app(
                 "parallel_tool_calls: false is enforced with tool_choice required or named",
             )
         call_id = uuid.uuid4().hex
-        tid = trajectory_of(req, x_prodrl_trajectory_id, call_id)
+        tid = open_trajectory(req, x_prodrl_trajectory_id, call_id)
         try:  # user text stays text: only the template's markers are special tokens
             messages = [m.for_template() for m in req.messages]
             prompt_ids = await asyncio.to_thread(render_ids, tokenizer, messages, tools=req.tools)
         except Exception as e:  # a template error is the request's fault
             raise ParamError("messages", f"messages do not render with the chat template: {e}") from e
-        constraint, banned = await tool_choice(req)
-        c, params, seed = await run(prompt_ids, req, "messages", constraint, banned)
+        params = sampling(prompt_ids, req, "messages")
+        c, seed = await generate(prompt_ids, params, req.stop, await required_call(req))
         text = (
             cut_at_stop(text_of(tokenizer, c), req.stop)
             if c.finish_reason == "stop"
@@ -384,11 +409,16 @@ def create_app(
             },
             headers=headers,
         )
+        if await request.is_disconnected():  # nobody will receive it: not recorded
+            metrics.counts["client_gone"] += 1
+            return response
         record(call_id, tid, prompt_ids, c, params, seed, messages + [message])  # the response is ready
         return response
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, x_prodrl_trajectory_id: str | None = Header(None)):
+    async def completions(
+        request: Request, req: CompletionRequest, x_prodrl_trajectory_id: str | None = Header(None)
+    ):
         room()
         req.check()
         if req.model is not None and req.model not in names:
@@ -396,13 +426,14 @@ def create_app(
         if req.stream:
             raise ParamError("stream", "stream is supported on /v1/chat/completions only")
         call_id = uuid.uuid4().hex
-        tid = trajectory_of(req, x_prodrl_trajectory_id, call_id)
+        tid = open_trajectory(req, x_prodrl_trajectory_id, call_id)
         prompt_ids = (
             list(req.prompt)
             if isinstance(req.prompt, list)
             else await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=False)
         )
-        c, params, seed = await run(prompt_ids, req, "prompt")
+        params = sampling(prompt_ids, req, "prompt")
+        c, seed = await generate(prompt_ids, params, req.stop)
         text = text_of(tokenizer, c)
         if c.finish_reason == "stop":
             text = cut_at_stop(text, req.stop)
@@ -433,6 +464,9 @@ def create_app(
             },
             headers={TRAJECTORY_HEADER: tid, CALL_HEADER: call_id},
         )
+        if await request.is_disconnected():
+            metrics.counts["client_gone"] += 1
+            return response
         record(call_id, tid, prompt_ids, c, params, seed, {"prompt": req.prompt, "completion": text})
         return response
 

@@ -49,12 +49,19 @@ class BatchingEngine:
             batch = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]  # drop cancelled ones
             if not batch:
                 continue
-            seed = next(self._seeds)
-            try:
-                completions: list[Completion] = self.engine.generate([r for r, _ in batch], seed=seed)
-                for (r, f), c in zip(batch, completions, strict=True):
-                    f.set_result((c, r.params.seed if r.params.seed is not None else seed))
-            except Exception as e:  # noqa: BLE001 - every waiting request gets the error; the worker lives on
-                for _, f in batch:
-                    if not f.done():
-                        f.set_exception(e)
+            self._run(batch, next(self._seeds))
+
+    def _run(self, batch: list[tuple[Request, Future]], seed: int) -> None:
+        """One engine call for the batch; if it fails, each request alone, so that one bad request
+        fails only itself."""
+        try:
+            completions: list[Completion] = self.engine.generate([r for r, _ in batch], seed=seed)
+        except Exception as e:  # noqa: BLE001 - the worker lives on
+            if len(batch) > 1:
+                for item in batch:
+                    self._run([item], seed)
+                return
+            batch[0][1].set_exception(e)
+            return
+        for (r, f), c in zip(batch, completions, strict=True):
+            f.set_result((c, r.params.seed if r.params.seed is not None else seed))

@@ -149,6 +149,12 @@ class LandingLog:
     def _open(self) -> None:
         self._file = (self.spool_dir / f"seg-{self._seq:012d}.jsonl").open("a", encoding="utf-8")
         self._open_count, self._opened_at = 0, time.monotonic()
+        if self.fsync:  # the new segment's directory entry survives a lost machine too
+            fd = os.open(self.spool_dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _seal(self) -> None:
         if self._open_count == 0:

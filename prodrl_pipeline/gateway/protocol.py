@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-MAX_STOP = 4  # OpenAI's limit on stop sequences
-BAN = -100  # the only logit_bias value honoured: a ban removes the token from the kept support
+MAX_STOP, MAX_STOP_CHARS = 4, 128  # stop sequences: OpenAI's count; a length bound on their check
+MIN_TEMPERATURE = 0.01  # below (except 0, greedy) logits / T overflow into NaN
 
 
 class ParamError(ValueError):
@@ -84,22 +84,33 @@ class SamplingFields(Strict):
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str] | None:
         stops = [v] if isinstance(v, str) else v
-        if stops is not None and (len(stops) > MAX_STOP or any(not s for s in stops)):
-            raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings")
+        if stops is not None and (
+            len(stops) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+        ):
+            raise ValueError(f"stop takes at most {MAX_STOP} strings of 1-{MAX_STOP_CHARS} characters")
         return _utf8(stops, "stop")
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, int] | None) -> dict[str, int] | None:
-        for token, bias in (v or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
-            if bias != BAN:
-                raise ValueError(
-                    f"logit_bias {bias} for token {token}: only {BAN} (a ban) is supported; a ban narrows "
-                    "the kept support, which is recorded, while other biases reshape mu"
-                )
+        if v:  # the data contract records a restricted support as its kept ids: V - n per token
+            raise ValueError(
+                "logit_bias is not supported: a bias reshapes the sampled distribution beyond what the "
+                "record expresses, and a ban would record the V - n kept ids at every token"
+            )
         return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str | None) -> str | None:
+        return _utf8(v, "model")
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -115,9 +126,11 @@ class SamplingFields(Strict):
         """Rules across fields (ParamError)."""
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options needs stream: true")
-
-    def banned(self) -> tuple[int, ...]:
-        return tuple(sorted(int(t) for t in self.logit_bias or {}))
+        if (
+            None not in (self.max_tokens, self.max_completion_tokens)
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise ParamError("max_completion_tokens", "max_tokens and max_completion_tokens disagree")
 
 
 class ToolFunction(Strict):
@@ -191,6 +204,19 @@ class ChatRequest(SamplingFields):
             raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ParamError("tool_choice", "tool_choice asks for a tool call but no tools are given")
+        for i, tool in enumerate(self.tools or []):
+            function = tool.get("function")
+            if (
+                tool.get("type") != "function"
+                or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)
+            ):
+                raise ParamError(f"tools.{i}", 'a tool is {"type": "function", "function": {"name": ...}}')
+            if function.get("strict") and self.tool_choice in (None, "auto", "none"):
+                raise ParamError(
+                    f"tools.{i}.function.strict",
+                    "strict schemas are enforced only with tool_choice required or named (enum parameters)",
+                )
 
 
 class CompletionRequest(SamplingFields):

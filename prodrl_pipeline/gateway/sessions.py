@@ -6,8 +6,10 @@ be answered 404 (unknown), 409 (already rewarded, or expired) without a table sc
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,6 +24,12 @@ class Session:
     last_seen: float = 0.0
     rewarded: bool = False
     expired: bool = False
+    served: tuple[int, bytes] | None = None
+    """Length and digest of the last call's prompt + completion ids (this process's calls only)."""
+
+
+def _digest(ids: list[int]) -> bytes:
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
 
 
 class SessionIndex:
@@ -62,6 +70,23 @@ class SessionIndex:
             s.n_calls += 1
             s.last_seen = time.time()
             return s.n_calls - 1
+
+    def is_expired(self, trajectory_id: str) -> bool:
+        with self._lock:
+            s = self._sessions.get(trajectory_id)
+            return bool(s and s.expired)
+
+    def follow(self, trajectory_id: str, prompt_ids: list[int], completion_ids: list[int]) -> bool | None:
+        """Does this call's prompt extend the trajectory's previous call's prompt + completion
+        exactly? None when there is no previous call served by this process. Remembers this call."""
+        served = list(prompt_ids) + list(completion_ids)
+        with self._lock:
+            s = self._sessions.setdefault(trajectory_id, Session())
+            prev, s.served = s.served, (len(served), _digest(served))
+        if prev is None:
+            return None
+        n, digest = prev
+        return len(prompt_ids) >= n and _digest(prompt_ids[:n]) == digest
 
     def claim_reward(
         self, trajectory_id: str, overwrite: bool

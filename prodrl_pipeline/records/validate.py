@@ -3,6 +3,7 @@ reason, together with every other record of its trajectory: it is never trained 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections import defaultdict
@@ -68,7 +69,8 @@ def split_valid(
     calls: list[dict], trajectories: list[dict], table: str = "calls"
 ) -> tuple[list[dict], list[dict], list[dict]]:
     """(valid calls, valid trajectories, reject rows). A trajectory is valid when it has a reward,
-    all its calls are valid and their count matches `n_calls`."""
+    all its calls are valid, their count matches `n_calls`, their completion tokens add up to
+    `n_completion_tokens` (its usage) and no two share a call index."""
     by_traj: dict[str, list[dict]] = defaultdict(list)
     for c in calls:
         by_traj[c["trajectory_id"]].append(c)
@@ -100,6 +102,12 @@ def split_valid(
             reason = "no finite reward"
         elif len(cs) != t["n_calls"]:
             reason = f"n_calls {t['n_calls']} but {len(cs)} calls recorded"
+        elif t.get("n_completion_tokens") is not None and t["n_completion_tokens"] != (
+            tokens := sum(len(c.get("completion_token_ids") or []) for c in cs)
+        ):
+            reason = f"usage says {t['n_completion_tokens']} completion tokens but the calls hold {tokens}"
+        elif len({c.get("call_index") for c in cs}) != len(cs):
+            reason = "two calls share a call_index"
         elif problems:
             reason = "invalid call: " + next(iter(problems.values()))
         if reason is None:
@@ -112,3 +120,20 @@ def split_valid(
                 table, c["call_id"], problems.get(c["call_id"], "its trajectory was rejected"), c, c["round"]
             )
     return good_calls, good_trajs, rejects
+
+
+def prefix_continuity(calls: list[dict]) -> tuple[int, int]:
+    """(calls whose prompt ids extend the previous call's prompt + completion exactly, calls after
+    a trajectory's first). A break means the client re-sent the conversation as text that
+    tokenizes differently from what was served (the retokenization drift the record avoids)."""
+    by_traj: dict[str, list[dict]] = defaultdict(list)
+    for c in calls:
+        by_traj[c["trajectory_id"]].append(c)
+    extending = later = 0
+    for cs in by_traj.values():
+        cs.sort(key=lambda c: c["call_index"])
+        for prev, c in itertools.pairwise(cs):
+            served = list(prev["prompt_token_ids"]) + list(prev["completion_token_ids"])
+            later += 1
+            extending += list(c["prompt_token_ids"][: len(served)]) == served
+    return extending, later

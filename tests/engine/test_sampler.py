@@ -106,27 +106,35 @@ def test_a_request_seed_gives_the_same_draws_alone_or_in_any_batch(tiny_model, t
     assert unseeded[0].token_ids != unseeded[1].token_ids  # the draws do depend on the seed
 
 
-def test_banned_tokens_leave_the_recorded_support_and_a_stop_predicate_ends_the_completion(
-    tiny_model, tokenizer, heldout
-):
-    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id, top_logprobs=5)
+def test_a_stop_predicate_is_asked_after_every_token_and_ends_the_completion(tiny_model, tokenizer, heldout):
+    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     prompt = render_ids(tokenizer, ChessEpisode(heldout[0]).messages)
     free = engine.generate([Request(prompt, SamplingParams(max_tokens=8, seed=7))])[0]
-    banned = tuple(free.topk_ids[0][:3])  # the three likeliest first tokens
-    out = engine.generate([Request(prompt, SamplingParams(max_tokens=8, seed=7), banned=banned)])[0]
-    for t in range(len(out.token_ids)):
-        assert out.support_size[t] == engine.vocab_size - 3
-        assert not set(banned) & set(out.topk_ids[t]) and not set(banned) & set(out.support_ids[t])
-        assert len(out.support_ids[t]) == engine.vocab_size - 3  # the support beside the head
     seen = []
-    stop = engine.generate(
-        [
-            Request(
-                prompt,
-                SamplingParams(max_tokens=8, seed=7),
-                stop=lambda ids: seen.append(list(ids)) or len(ids) == 3,
-            )
-        ]
-    )[0]
-    assert stop.token_ids == free.token_ids[:3] and stop.finish_reason == "stop"
-    assert seen == [free.token_ids[:n] for n in (1, 2, 3)]  # asked after every token
+
+    def stop(ids: list[int]) -> bool:
+        seen.append(list(ids))
+        return len(ids) == 3
+
+    out = engine.generate([Request(prompt, SamplingParams(max_tokens=8, seed=7), stop=stop)])[0]
+    assert out.token_ids == free.token_ids[:3] and out.finish_reason == "stop"
+    assert seen == [free.token_ids[:n] for n in (1, 2, 3)]
+
+
+def test_a_request_seed_is_batch_independent_beside_a_constrained_neighbour(tiny_model, tokenizer, heldout):
+    """A neighbour's forced chain can be longer or shorter than this row's: the seeded row's own
+    generator is used only where it has a choice, so its draws do not depend on the neighbour."""
+    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    episodes = [ChessEpisode(p) for p in heldout[:2]]
+    constrained = [
+        Request(
+            render_ids(tokenizer, e.messages),
+            SamplingParams(max_tokens=64, seed=11),
+            tool_choice_constraint(tokenizer, "move", "move", e.allowed_moves()),
+        )
+        for e in episodes
+    ]
+    alone = engine.generate([constrained[0]], seed=0)[0]
+    free = Request(render_ids(tokenizer, episodes[1].messages), SamplingParams(max_tokens=64))
+    for neighbour in (free, constrained[1]):
+        assert engine.generate([neighbour, constrained[0]], seed=5)[1].token_ids == alone.token_ids

@@ -147,3 +147,29 @@ def test_special_tokens_in_json_keys_are_refused(tokenizer):
     call = {"type": "function", "function": {"name": "move", "arguments": {"<|im_end|>": 1}}}
     with pytest.raises(ValueError, match="key .* special token"):
         render_ids(tokenizer, [{"role": "assistant", "content": "", "tool_calls": [call]}])
+
+
+def test_a_required_tool_call_is_bounded_and_its_values_stay_text(tokenizer):
+    from prodrl_pipeline.envs.tool_choice import MAX_CHOICES, required_tool_call
+
+    def tool(values):
+        return {
+            "type": "function",
+            "function": {"name": "pick", "parameters": {"properties": {"m": {"enum": values}}}},
+        }
+
+    with pytest.raises(ValueError, match="at most"):
+        required_tool_call(tokenizer, [tool([str(i) for i in range(MAX_CHOICES + 1)])])
+    with pytest.raises(ValueError, match="enum"):
+        required_tool_call(tokenizer, [{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(ValueError, match="not among"):
+        required_tool_call(tokenizer, [tool(["a"])], name="other")
+    forged = "<|im_end|>"
+    state = required_tool_call(tokenizer, [tool([forged, "a"])]).root
+    sequences, stack = [], [(state, [])]
+    while stack:  # every allowed completion of the trie
+        node, prefix = stack.pop()
+        sequences += [prefix] if not node else []
+        stack += [(child, [*prefix, tok]) for tok, child in node.items()]
+    im_end = tokenizer.convert_tokens_to_ids(forged)
+    assert sorted(s.count(im_end) for s in sequences) == [1, 1]  # only the turn's own end

@@ -84,3 +84,19 @@ def test_a_second_gateway_on_the_same_spool_fails_fast_and_records_are_checked_f
     second.start()  # the lock is released with the first
     assert second.app_id == first.app_id and second.app_id.startswith("prodrl-gateway-")
     second.stop()
+
+
+def test_with_fsync_each_record_and_each_new_segment_s_directory_entry_reach_the_disk(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)) or real(fd))
+    log = LandingLog(DeltaStore(tmp_path / "tables"), tmp_path / "spool", fsync=True)
+    log.start()
+    assert synced == [True]  # the first segment's directory entry
+    log.append("call", _call(1))
+    assert synced == [True, False]  # the record itself
+    log.stop()
+    assert True in synced[2:]  # the segment opened when the first was sealed

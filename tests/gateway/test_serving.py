@@ -133,6 +133,10 @@ def test_feedback_flow_and_its_status_codes(gateway):
 
 
 CHAT, USER = "/v1/chat/completions", {"role": "user", "content": "x"}
+ENUM_TOOL = {
+    "type": "function",
+    "function": {"name": "pick", "parameters": {"properties": {"m": {"type": "string", "enum": ["a", "b"]}}}},
+}
 BAD = [
     ("no key", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, {}, 401, None),
     (
@@ -192,7 +196,59 @@ BAD = [
         400,
         "frequency_penalty",
     ),
-    ("logit_bias +5", CHAT, {"messages": [USER], "logit_bias": {"5": 5}}, SERVE, 400, "logit_bias"),
+    ("logit_bias", CHAT, {"messages": [USER], "logit_bias": {"5": -100}}, SERVE, 400, "logit_bias"),
+    ("tiny temperature", CHAT, {"messages": [USER], "temperature": 1e-45}, SERVE, 400, "temperature"),
+    ("long stop", CHAT, {"messages": [USER], "stop": ["x" * 129]}, SERVE, 400, "stop"),
+    (
+        "two lengths",
+        CHAT,
+        {"messages": [USER], "max_tokens": 2, "max_completion_tokens": 3},
+        SERVE,
+        400,
+        "max_completion_tokens",
+    ),
+    (
+        "strict tool under auto",
+        CHAT,
+        {"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+        SERVE,
+        400,
+        "tools.0.function.strict",
+    ),
+    (
+        "malformed tool",
+        CHAT,
+        {"messages": [USER], "tools": [{"type": "function", "function": "x"}]},
+        SERVE,
+        400,
+        "tools.0",
+    ),
+    (
+        "stop cutting a required call",
+        CHAT,
+        {"messages": [USER], "tools": [ENUM_TOOL], "tool_choice": "required", "stop": ["name"]},
+        SERVE,
+        400,
+        "stop",
+    ),
+    (
+        "a choice over 256 characters",
+        CHAT,
+        {
+            "messages": [USER],
+            "tools": [
+                ENUM_TOOL
+                | {
+                    "function": ENUM_TOOL["function"]
+                    | {"parameters": {"properties": {"m": {"enum": ["x" * 257]}}}}
+                }
+            ],
+            "tool_choice": "required",
+        },
+        SERVE,
+        400,
+        "tool_choice",
+    ),
     (
         "json mode",
         CHAT,
@@ -296,10 +352,18 @@ def test_unscored_trajectories_expire_into_rejects(tmp_path, tokenizer):
         )
         r = httpx.post(f"{gw.url}/v1/feedback", json={"trajectory_id": tid, "reward": 1.0}, headers=FEEDBACK)
         assert r.status_code == 409 and "expired" in r.json()["error"]["message"]
+        # a later call cannot reopen it: refused before anything is generated or recorded
+        again = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "user": tid}
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=again, headers=SERVE)
+        assert r.status_code == 409 and "expired" in r.json()["error"]["message"]
     finally:
         gw.stop()
-    rejects = DeltaStore(tmp_path / "tables").read("rejects").to_pylist()
+    tables = DeltaStore(tmp_path / "tables")
+    rejects = tables.read("rejects").to_pylist()
     assert [(r["table_name"], r["record_id"]) for r in rejects] == [("landing_trajectories", tid)]
+    assert [c["trajectory_id"] for c in tables.read("landing_calls").to_pylist()] == [
+        tid
+    ]  # the first call only
 
 
 def test_full_backlog_answers_503_and_loses_nothing(tmp_path, tokenizer):
@@ -386,9 +450,6 @@ def test_openai_parameters_are_honoured_and_recorded(gateway, tokenizer, heldout
     assert (
         cut.choices[0].message.content == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
     )
-    # logit_bias -100: the banned tokens are never drawn, and leave the recorded support
-    banned = a.model_extra["prodrl"]["token_ids"][:2]
-    ban = chat(model="live", messages=user, max_tokens=12, seed=42, logit_bias={str(t): -100 for t in banned})
     # tool_choice naming the lab's move tool with an enum: the call is the lab's constrained move
     episode = ChessEpisode(heldout[0])
     moves = episode.allowed_moves()
@@ -412,7 +473,7 @@ def test_openai_parameters_are_honoured_and_recorded(gateway, tokenizer, heldout
         and played in moves
         and acted.choices[0].finish_reason == "tool_calls"
     )
-    # tool_choice none: the tool-call marker cannot be drawn
+    # tool_choice none: the tools stay in the prompt, the reply is text (as vLLM does)
     plain = chat(model="live", messages=episode.messages, tools=[tool], tool_choice="none", max_tokens=12)
     assert not plain.choices[0].message.tool_calls
     # stream_options.include_usage: a last chunk with the usage and no choices
@@ -430,12 +491,38 @@ def test_openai_parameters_are_honoured_and_recorded(gateway, tokenizer, heldout
         stopped["completion_token_ids"]
         == a.model_extra["prodrl"]["token_ids"][: len(stopped["completion_token_ids"])]
     )
-    record = landed[ban.model_extra["prodrl"]["call_id"]]
-    vocab = record["vocab_size"]
-    assert not set(banned) & set(record["completion_token_ids"])
-    assert all(size == vocab - len(banned) for size in record["support_size"])
     acted_record = landed[acted.model_extra["prodrl"]["call_id"]]
     assert acted_record["completion_token_ids"] == list(tool_call_ids(tokenizer, "move", "move", played))
     assert all(size <= len(moves) for size in acted_record["support_size"])  # only legal moves were kept
-    marker = tokenizer.convert_tokens_to_ids("<tool_call>")
-    assert marker not in landed[plain.model_extra["prodrl"]["call_id"]]["completion_token_ids"]
+    assert json.loads(landed[plain.model_extra["prodrl"]["call_id"]]["messages_json"])[-1] == {
+        "role": "assistant",
+        "content": plain.choices[0].message.content,
+    }
+
+
+def test_multi_turn_prefix_continuity_and_calls_nobody_received(gateway):
+    post = lambda body, **kw: httpx.post(f"{gateway.url}/v1/completions", json=body, headers=SERVE, **kw)  # noqa: E731
+    first = post({"prompt": [5, 6, 7], "max_tokens": 3, "user": "s2", "return_token_ids": True}).json()
+    served = [5, 6, 7, *first["choices"][0]["token_ids"]]
+    post({"prompt": [*served, 9], "max_tokens": 2, "user": "s2"})  # extends what was served
+    post({"prompt": [5, 6, 8, 9], "max_tokens": 2, "user": "s2"})  # a retokenized history: a break
+    metrics = httpx.get(f"{gateway.url}/metrics", headers=SERVE).text
+    assert "prodrl_gateway_prefix_extends_total 1" in metrics
+    assert "prodrl_gateway_prefix_breaks_total 1" in metrics
+    # a client that gives up before its answer: the call is generated but not recorded
+    long = {
+        "prompt": [5, 6, 7],
+        "max_tokens": 400,
+        "seed": next(
+            s
+            for s in range(50)
+            if post({"prompt": [5, 6, 7], "max_tokens": 400, "seed": s}).json()["choices"][0]["finish_reason"]
+            == "length"
+        ),
+    }  # a seed whose draw runs all 400 tokens
+    with pytest.raises(httpx.TimeoutException):
+        post({**long, "user": "gone"}, timeout=0.05)
+    _wait_for(lambda: 'outcome="client_gone"} 1' in httpx.get(f"{gateway.url}/metrics", headers=SERVE).text)
+    landed = _landed(gateway)
+    assert "gone" not in {c["trajectory_id"] for c in landed.values()}
+    assert sorted(c["call_index"] for c in landed.values() if c["trajectory_id"] == "s2") == [0, 1, 2]

@@ -1,6 +1,6 @@
 from datetime import UTC, datetime
 
-from prodrl_pipeline.records.validate import split_valid
+from prodrl_pipeline.records.validate import prefix_continuity, split_valid
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 
@@ -72,11 +72,22 @@ def test_good_records_pass_and_each_broken_rule_is_rejected_with_its_reason():
     trajs.append(_traj("unscored", reward=None))
     trajs.append(_traj("miscounted", n_calls=2))
     calls.append(_call("miscounted"))
+    trajs.append(_traj("usage", n_completion_tokens=3))  # its usage disagrees with its token columns
+    calls.append(_call("usage"))
+    trajs.append(_traj("same index", n_calls=2, n_completion_tokens=4))
+    calls += [_call("same index"), _call("same index", call_id="same index-1")]
     good_calls, good_trajs, rejects = split_valid(calls, trajs)
     assert [c["call_id"] for c in good_calls] == ["g-0"]
     assert [t["trajectory_id"] for t in good_trajs] == ["g"]
     rejected_trajs = {r["record_id"]: r["reason"] for r in rejects if r["table_name"] == "trajectories"}
-    assert set(rejected_trajs) == {c["trajectory_id"] for c in BAD.values()} | {"unscored", "miscounted"}
+    assert set(rejected_trajs) == {c["trajectory_id"] for c in BAD.values()} | {
+        "unscored",
+        "miscounted",
+        "usage",
+        "same index",
+    }
+    assert "usage says 3 completion tokens but the calls hold 2" in rejected_trajs["usage"]
+    assert "call_index" in rejected_trajs["same index"]
     assert "reward" in rejected_trajs["unscored"] and "n_calls" in rejected_trajs["miscounted"]
     assert "support" in rejected_trajs["b5"] and "outside" in rejected_trajs["b6"]
     assert "greedy" in rejected_trajs["b7"]
@@ -88,3 +99,13 @@ def test_good_records_pass_and_each_broken_rule_is_rejected_with_its_reason():
     assert {r["record_id"] for r in rejects if r["table_name"] == "calls"} == {
         c["call_id"] for c in calls if c["trajectory_id"] != "g"
     }
+
+
+def test_prefix_continuity_counts_later_calls_that_extend_what_was_served():
+    first = _call("t", prompt_token_ids=[1, 2], completion_token_ids=[3, 4])
+    kept = _call("t", call_index=1, prompt_token_ids=[1, 2, 3, 4, 9], completion_token_ids=[5])
+    # the client re-sent the conversation as text that tokenized differently: [3, 4] became [7]
+    broken = _call("t", call_index=2, prompt_token_ids=[1, 2, 7, 9, 5, 8], completion_token_ids=[6])
+    single = _call("u")
+    assert prefix_continuity([broken, single, first, kept]) == (1, 2)  # order of arrival is irrelevant
+    assert prefix_continuity([single]) == (0, 0)
