@@ -26,8 +26,9 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     """`params.seed` set: this request samples from its own generator (batch-independent)."""
     constraint: ChoiceConstraint | None = None
-    stop: Callable[[list[int]], bool] | None = None
-    """Called with the completion's ids after each token; True ends it (finish_reason "stop")."""
+    on_token: Callable[[list[int]], bool] | None = None
+    """Called on the engine thread with the completion's ids after each token (streaming, stop
+    strings, a client that left); True ends the completion (finish_reason "stop")."""
 
 
 @dataclass
@@ -45,8 +46,8 @@ class Completion:
 class TorchEngine:
     """Serves a causal LM (already holding the deployed weights) on CPU or GPU."""
 
-    honours = frozenset({"stop", "tool_choice"})
-    """Request features beyond sampling parameters: stop predicates, constraints."""
+    honours = frozenset({"on_token", "tool_choice"})
+    """Request features beyond sampling parameters: per-token callbacks, constraints."""
 
     def __init__(
         self, model: PreTrainedModel, eos_id: int, pad_id: int, top_logprobs: int = 20, extra_samples: int = 0
@@ -194,7 +195,7 @@ class _Batch:
                 continue
             chain = []
             for tok in next(it)[:m]:
-                if self.done[i]:  # a stop predicate ended the row inside the chain
+                if self.done[i]:  # its on_token callback ended the row inside the chain
                     break
                 self.append(i, tok, 0.0, [tok], [0.0], 1, [], [tok] * self.extra_samples)
                 chain.append(tok)
@@ -222,11 +223,11 @@ class _Batch:
         c.extra_ids.append(extra_ids)
         if self.states[i] is not None:
             self.states[i] = ChoiceConstraint.advance(self.states[i], tok)
-        stop = self.requests[i].stop
+        on_token = self.requests[i].on_token
         if (
             tok == self.eos_id
             or (self.states[i] is not None and not self.states[i])
-            or (stop and stop(c.token_ids))
+            or (on_token and on_token(c.token_ids))
         ):
             self.done[i], c.finish_reason = True, "stop"
         elif len(c.token_ids) >= self.requests[i].params.max_tokens:

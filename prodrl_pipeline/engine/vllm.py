@@ -31,7 +31,8 @@ def _token_id(token: str) -> int:
 
 class VLLMEngine:
     honours = frozenset()
-    """Stop strings and tool-call constraints are not wired through vLLM yet: the gateway refuses them."""
+    """Per-token callbacks (stop strings, token streaming) and tool-call constraints are not wired
+    through vLLM yet: the gateway refuses stop and tool_choice, and streams a finished completion."""
 
     def __init__(
         self,
@@ -60,8 +61,8 @@ class VLLMEngine:
         return list(self.pool.map(lambda r: self._one(r, seed), requests))
 
     def _one(self, req: Request, seed: int | None) -> Completion:
-        if req.constraint is not None or req.stop is not None:
-            raise NotImplementedError("constraints and stop predicates through vLLM are not wired yet")
+        if req.constraint is not None or req.on_token is not None:
+            raise NotImplementedError("constraints and per-token callbacks through vLLM are not wired yet")
         p, k = req.params, self.top_logprobs
         greedy = p.temperature == 0
         restricted = greedy or p.top_p < 1 or 0 < p.top_k < self.vocab_size

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -30,7 +32,7 @@ from prodrl_pipeline.engine.constraints import ChoiceConstraint
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import Completion
 from prodrl_pipeline.engine.sampler import Request as EngineRequest
-from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
+from prodrl_pipeline.envs.chat import TOOL_CALL_OPEN, parse_assistant_text, render_ids
 from prodrl_pipeline.envs.tool_choice import required_tool_call
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.gateway.guard import Guard
@@ -43,6 +45,7 @@ from prodrl_pipeline.gateway.protocol import (
     SamplingFields,
 )
 from prodrl_pipeline.gateway.responses import (
+    Ending,
     chat_stream,
     cut_at_stop,
     logprobs_content,
@@ -222,7 +225,7 @@ def create_app(
         vocab = engine.engine.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ParamError(prompt_param, f"prompt token ids must be in [0, {vocab})")
-        if req.stop and "stop" not in engine.engine.honours:
+        if req.stop and "on_token" not in engine.engine.honours:
             raise ParamError("stop", "stop strings are not supported by this gateway's engine yet")
         shown = getattr(req, "top_logprobs", None) or getattr(req, "logprobs", None)
         if isinstance(shown, int) and not isinstance(shown, bool) and shown > engine.engine.top_logprobs:
@@ -236,15 +239,18 @@ def create_app(
             seed=req.seed,
         )
 
-    async def generate(
+    def submit(
         prompt_ids: list[int],
         params: SamplingParams,
         stops: list[str] | None,
-        constraint=None,  # noqa: ANN001
-    ) -> tuple[Completion, int]:
-        stop = stop_at(tokenizer, stops) if stops else None
-        request = EngineRequest(prompt_ids, params, constraint=constraint, stop=stop)
-        return await asyncio.wrap_future(engine.submit(request))
+        constraint: ChoiceConstraint | None = None,
+        observe: Callable[[list[int]], bool] | None = None,
+    ) -> Future:
+        """Queue one completion: a future of (Completion, recorded seed). `observe` sees the ids
+        after every token on the engine thread; it or a stop string returning True ends it."""
+        hooks = [h for h in (observe, stop_at(tokenizer, stops) if stops else None) if h]
+        on_token = (lambda ids: any([h(ids) for h in hooks])) if hooks else None  # noqa: E731 - every hook sees every token
+        return engine.submit(EngineRequest(prompt_ids, params, constraint=constraint, on_token=on_token))
 
     def record(
         call_id: str,
@@ -334,6 +340,58 @@ def create_app(
         except ValueError as e:
             raise ParamError("tool_choice", str(e)) from e
 
+    def stream_chat(req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply):  # noqa: ANN001, ANN202, PLR0913
+        """The SSE body of a streamed chat call: tokens as the engine produces them (an engine
+        without per-token callbacks streams its finished completion); the call is recorded when
+        its completion is done, before the last chunks; a client that leaves ends the generation
+        at the next token and nothing is recorded."""
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue = asyncio.Queue()
+        gone = threading.Event()
+        live = "on_token" in engine.engine.honours
+
+        def observe(ids_so_far: list[int]) -> bool:
+            try:
+                loop.call_soon_threadsafe(tokens.put_nowait, ids_so_far[-1])
+            except RuntimeError:  # the event loop is gone (shutdown): end the generation
+                return True
+            return gone.is_set()
+
+        future = submit(prompt_ids, params, req.stop, constraint, observe if live else None)
+
+        def finished(f: Future) -> None:
+            for t in [] if live or f.exception() else f.result()[0].token_ids:
+                loop.call_soon_threadsafe(tokens.put_nowait, t)
+            loop.call_soon_threadsafe(tokens.put_nowait, None)
+
+        future.add_done_callback(finished)
+
+        def end() -> Ending:
+            c, seed = future.result()  # an engine error surfaces here, before anything is recorded
+            message, finish, logprobs = reply(c)
+            record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
+            metrics.counts["chat"] += 1
+            ids["token_ids"] = c.token_ids
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return Ending(message, finish, logprobs, usage(prompt_ids, c) if include_usage else None)
+
+        def abandon() -> None:
+            gone.set()
+            metrics.counts["client_gone"] += 1
+
+        return chat_stream(
+            tokenizer,
+            cfg.deployment_id,
+            call_id,
+            created,
+            ids,
+            tokens,
+            end,
+            abandon,
+            hold=max((len(s) for s in req.stop or ()), default=1) - 1,
+            tool_open=None if req.tool_choice == "none" else tokenizer.convert_tokens_to_ids(TOOL_CALL_OPEN),
+        )
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request, req: ChatRequest, x_prodrl_trajectory_id: str | None = Header(None)):
         room()
@@ -353,50 +411,36 @@ def create_app(
         except Exception as e:  # a template error is the request's fault
             raise ParamError("messages", f"messages do not render with the chat template: {e}") from e
         params = sampling(prompt_ids, req, "messages")
-        c, seed = await generate(prompt_ids, params, req.stop, await required_call(req))
-        text = (
-            cut_at_stop(text_of(tokenizer, c), req.stop)
-            if c.finish_reason == "stop"
-            else text_of(tokenizer, c)
-        )
-        if req.tool_choice == "none":
-            message = {"role": "assistant", "content": text}
-        else:
-            message = parse_assistant_text(text, call_id_prefix=f"call_{call_id[:12]}")
-        metrics.counts["chat"] += 1
-        finish = (
-            "tool_calls" if message.get("tool_calls") else ("stop" if c.finish_reason == "stop" else "length")
-        )
-        ids = {
-            "trajectory_id": tid,
-            "call_id": call_id,
-            "prompt_token_ids": prompt_ids,
-            "token_ids": c.token_ids,
-        }
+        constraint = await required_call(req)
         headers = {TRAJECTORY_HEADER: tid, CALL_HEADER: call_id}
-        logprobs = (
-            {"content": logprobs_content(tokenizer, c, req.top_logprobs or 0)} if req.logprobs else None
-        )
+        ids = {"trajectory_id": tid, "call_id": call_id, "prompt_token_ids": prompt_ids}
         created = int(time.time())
+
+        def reply(c: Completion) -> tuple[dict, str, dict | None]:
+            """The assistant message, finish reason and logprobs of a finished completion."""
+            text = text_of(tokenizer, c)
+            text = cut_at_stop(text, req.stop) if c.finish_reason == "stop" else text
+            if req.tool_choice == "none":  # as vLLM: the reply is text, tool-call markup included
+                message = {"role": "assistant", "content": text}
+            else:
+                message = parse_assistant_text(text, call_id_prefix=f"call_{call_id[:12]}")
+            tool_calls = bool(message.get("tool_calls"))
+            finish = "tool_calls" if tool_calls else ("stop" if c.finish_reason == "stop" else "length")
+            logprobs = (
+                {"content": logprobs_content(tokenizer, c, req.top_logprobs or 0)} if req.logprobs else None
+            )
+            return message, finish, logprobs
+
         if req.stream:
-            record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                chat_stream(
-                    tokenizer,
-                    cfg.deployment_id,
-                    call_id,
-                    created,
-                    c,
-                    message,
-                    finish,
-                    ids,
-                    logprobs,
-                    usage(prompt_ids, c) if include_usage else None,
-                ),
+                stream_chat(req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply),
                 media_type="text/event-stream",
                 headers=headers,
             )
+        c, seed = await asyncio.wrap_future(submit(prompt_ids, params, req.stop, constraint))
+        message, finish, logprobs = reply(c)
+        metrics.counts["chat"] += 1
+        ids["token_ids"] = c.token_ids
         response = JSONResponse(
             {
                 "id": f"chatcmpl-{call_id}",
@@ -433,7 +477,7 @@ def create_app(
             else await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=False)
         )
         params = sampling(prompt_ids, req, "prompt")
-        c, seed = await generate(prompt_ids, params, req.stop)
+        c, seed = await asyncio.wrap_future(submit(prompt_ids, params, req.stop))
         text = text_of(tokenizer, c)
         if c.finish_reason == "stop":
             text = cut_at_stop(text, req.stop)

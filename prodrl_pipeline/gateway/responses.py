@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
@@ -57,54 +59,72 @@ def usage(prompt_ids: list[int], c: Completion) -> dict:
     return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
 
 
+@dataclass
+class Ending:
+    """What a streamed chat call ends with, once its completion is done (and recorded)."""
+
+    message: dict
+    finish_reason: str
+    logprobs: dict | None
+    usage: dict | None
+    """Sent as a last chunk with no choices (`stream_options.include_usage`)."""
+
+
 async def chat_stream(
     tokenizer: PreTrainedTokenizerBase,
     model: str,
     call_id: str,
     created: int,
-    c: Completion,
-    message: dict,
-    finish: str,
-    ids: dict,
-    logprobs: dict | None,
-    usage_chunk: dict | None = None,
+    head: dict,
+    tokens: asyncio.Queue,
+    end: Callable[[], Ending],
+    abandon: Callable[[], None],
+    hold: int = 0,
+    tool_open: int | None = None,
 ) -> AsyncIterator[str]:
-    """Server-sent events of a chat completion: role, then one content delta per token (their
-    concatenation is the message text) or the tool calls, then the finish reason, the usage when
-    asked (`stream_options.include_usage`: a chunk with no choices) and [DONE]."""
+    """Server-sent events of a chat completion as its tokens arrive (`tokens`: ids, then None).
+    Content deltas follow the decoded text, holding back a partial UTF-8 character and the last
+    `hold` characters (a stop string may be forming); from the `tool_open` token on, text waits
+    for the end. `end()` gives the final message (and fills `head`'s token ids); what it adds to
+    the streamed text, the tool calls, the finish reason and the usage follow, then [DONE]. A
+    stream closed early (the client left) calls `abandon()`."""
 
-    def chunk(delta: dict, finish_reason: str | None = None, **extra) -> str:
+    def chunk(delta: dict | None, finish_reason: str | None = None, **extra) -> str:
         body = {
             "id": f"chatcmpl-{call_id}",
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-            **extra,
         }
-        return f"data: {json.dumps(body)}\n\n"
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason}] if delta is not None else []
+        return f"data: {json.dumps({**body, 'choices': choices, **extra})}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""}, prodrl=ids)
-    if message.get("tool_calls"):
-        if message["content"]:
-            yield chunk({"content": message["content"]})
-        yield chunk({"tool_calls": [{**tc, "index": i} for i, tc in enumerate(message["tool_calls"])]})
-    else:
-        shown, token_ids, content = "", shown_ids(tokenizer, c), message["content"]
-        for i in range(1, len(token_ids) + 1):
-            text = tokenizer.decode(token_ids[:i], skip_special_tokens=False)[: len(content)]  # to a stop
-            if text.startswith(shown) and len(text) > len(shown):  # a partial UTF-8 char waits a token
+    try:
+        yield chunk({"role": "assistant", "content": ""}, prodrl=head)
+        ids, shown, in_call = [], "", False
+        while (token := await tokens.get()) is not None:
+            ids.append(token)
+            in_call = in_call or token == tool_open
+            if in_call or token == tokenizer.eos_token_id:
+                continue
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            text = text[: len(text) - hold].rstrip("\ufffd")  # a partial character waits a token
+            if text.startswith(shown) and len(text) > len(shown):
                 yield chunk({"content": text[len(shown) :]})
                 shown = text
-        if shown != message["content"]:
-            yield chunk({"content": message["content"][len(shown) :]})
-    final = chunk({}, finish)
-    if logprobs:  # OpenAI puts them on the choice: choices[0].logprobs
-        body = json.loads(final.removeprefix("data: "))
-        body["choices"][0]["logprobs"] = logprobs
-        final = f"data: {json.dumps(body)}\n\n"
-    yield final
-    if usage_chunk is not None:
-        body = json.loads(chunk({}).removeprefix("data: "))
-        yield f"data: {json.dumps({**body, 'choices': [], 'usage': usage_chunk})}\n\n"
+        ending = end()
+    except (asyncio.CancelledError, GeneratorExit):  # the client left
+        abandon()
+        raise
+    message = ending.message
+    if message["content"].startswith(shown) and len(message["content"]) > len(shown):
+        yield chunk({"content": message["content"][len(shown) :]})
+    if message.get("tool_calls"):
+        yield chunk({"tool_calls": [{**tc, "index": i} for i, tc in enumerate(message["tool_calls"])]})
+    final = json.loads(chunk({}, ending.finish_reason, prodrl=head).removeprefix("data: "))  # with token_ids
+    if ending.logprobs:  # OpenAI puts them on the choice: choices[0].logprobs
+        final["choices"][0]["logprobs"] = ending.logprobs
+    yield f"data: {json.dumps(final)}\n\n"
+    if ending.usage is not None:
+        yield chunk(None, usage=ending.usage)
     yield "data: [DONE]\n\n"

@@ -106,7 +106,7 @@ def test_a_request_seed_gives_the_same_draws_alone_or_in_any_batch(tiny_model, t
     assert unseeded[0].token_ids != unseeded[1].token_ids  # the draws do depend on the seed
 
 
-def test_a_stop_predicate_is_asked_after_every_token_and_ends_the_completion(tiny_model, tokenizer, heldout):
+def test_on_token_is_called_after_every_token_and_can_end_the_completion(tiny_model, tokenizer, heldout):
     engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     prompt = render_ids(tokenizer, ChessEpisode(heldout[0]).messages)
     free = engine.generate([Request(prompt, SamplingParams(max_tokens=8, seed=7))])[0]
@@ -116,7 +116,7 @@ def test_a_stop_predicate_is_asked_after_every_token_and_ends_the_completion(tin
         seen.append(list(ids))
         return len(ids) == 3
 
-    out = engine.generate([Request(prompt, SamplingParams(max_tokens=8, seed=7), stop=stop)])[0]
+    out = engine.generate([Request(prompt, SamplingParams(max_tokens=8, seed=7), on_token=stop)])[0]
     assert out.token_ids == free.token_ids[:3] and out.finish_reason == "stop"
     assert seen == [free.token_ids[:n] for n in (1, 2, 3)]
 

@@ -20,7 +20,7 @@ def test_a_failing_request_does_not_fail_the_requests_batched_with_it(tiny_model
             return False
 
         good = engine.submit(Request([5, 6, 7], SamplingParams(max_tokens=4, seed=1)))
-        bad = engine.submit(Request([5, 6, 7], SamplingParams(max_tokens=4), stop=fail_on_second_token))
+        bad = engine.submit(Request([5, 6, 7], SamplingParams(max_tokens=4), on_token=fail_on_second_token))
         completion, seed = good.result(timeout=60)
         assert len(completion.token_ids) == 4 or completion.finish_reason == "stop"
         assert seed == 1  # the request's own seed is the one recorded

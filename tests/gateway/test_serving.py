@@ -526,3 +526,32 @@ def test_multi_turn_prefix_continuity_and_calls_nobody_received(gateway):
     landed = _landed(gateway)
     assert "gone" not in {c["trajectory_id"] for c in landed.values()}
     assert sorted(c["call_index"] for c in landed.values() if c["trajectory_id"] == "s2") == [0, 1, 2]
+
+
+def test_tokens_stream_while_generating_and_a_client_that_leaves_stops_it_unrecorded(gateway):
+    chat = f"{gateway.url}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "talk"}], "max_tokens": 300, "tool_choice": "none"}
+    seed = next(  # a draw that runs all 300 tokens
+        s
+        for s in range(50)
+        if httpx.post(chat, json={**body, "seed": s}, headers=SERVE, timeout=60).json()["choices"][0][
+            "finish_reason"
+        ]
+        == "length"
+    )
+    recorded = lambda: sum(  # noqa: E731
+        int(line.split()[-1])
+        for line in httpx.get(f"{gateway.url}/metrics", headers=SERVE).text.splitlines()
+        if line.startswith(("prodrl_gateway_pending_records", "prodrl_gateway_committed_records"))
+    )
+    before = recorded()
+    with httpx.stream(
+        "POST", chat, json={**body, "seed": seed, "stream": True}, headers=SERVE, timeout=60
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                break  # text arrived
+        assert recorded() == before  # ... while the completion is still being generated
+    # the client left: the generation ends at its next token and nothing is recorded
+    _wait_for(lambda: 'outcome="client_gone"} 1' in httpx.get(f"{gateway.url}/metrics", headers=SERVE).text)
+    assert recorded() == before
