@@ -71,64 +71,178 @@ class TorchEngine:
         """
         if not requests:
             return []
-        n = len(requests)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        own = [
-            torch.Generator().manual_seed(r.params.seed) if r.params.seed is not None else None
-            for r in requests
-        ]
-        temperature = torch.tensor([r.params.temperature for r in requests])
-        top_k = torch.tensor([r.params.top_k for r in requests])
-        top_p = torch.tensor([r.params.top_p for r in requests])
-        b = _Batch(requests, self.vocab_size, self.eos_id, self.pad_id, self.top_logprobs, self.extra_samples)
-        forced = b.force_common()
+        decoder = Decoder(self, seed)
+        decoder.admit(requests)
+        while not all(decoder.rows.done):
+            decoder.step()
+        if error := next((e for e in decoder.rows.errors if e is not None), None):
+            raise error
+        return decoder.rows.out
+
+    def decoder(self, seed: int | None = None) -> Decoder:
+        """A running batch that admits requests between steps (continuous batching)."""
+        return Decoder(self, seed)
+
+
+class Decoder:
+    """A running batch: each `step` samples one token for every live row (plus the tokens a
+    constraint forces); `admit` prefills new requests between steps and joins them to the batch;
+    `release` removes finished rows. Rows stay right-aligned in the KV cache (left padding,
+    masked), each with its own positions, so a row decodes as it would alone."""
+
+    def __init__(self, engine: TorchEngine, seed: int | None):
+        self.engine = engine
+        self.gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.rows = _Batch(
+            [], engine.vocab_size, engine.eos_id, engine.pad_id, engine.top_logprobs, engine.extra_samples
+        )
+        self.own: list[torch.Generator | None] = []
+        self.temperature, self.top_p = torch.zeros(0), torch.zeros(0)  # per row
+        self.top_k = torch.zeros(0, dtype=torch.long)
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long)  # [N, cache length]
+        self.pending = torch.zeros((0, 0), dtype=torch.long)  # [N, w]: ids not yet in the cache
+        self.logits: torch.Tensor | None = None  # [N, V] for the next token, when known
+
+    def __len__(self) -> int:
+        return len(self.rows.out)
+
+    @torch.inference_mode()
+    def admit(self, requests: list[Request]) -> None:
+        """Prefill `requests` (their prompts and any forced prefix) and add them as rows. Between
+        steps only: the live rows' pending ids are fed first, so every row is at "logits ready"."""
+        if not requests:
+            return
+        if len(self):
+            self._forward()
+        new = _Batch(requests, *self.rows.config())
+        forced = new.force_common()
         prompts = [r.prompt_ids + f for r, f in zip(requests, forced, strict=True)]
         width = max(len(p) for p in prompts)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
+        ids = torch.full((len(prompts), width), self.engine.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        while not all(b.done):
-            result = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            cache = result.cache
-            logp = processed_logprobs(  # [N, V]
-                result.logits[:, -1, :], temperature, top_k, top_p, b.allowed_mask()
-            )
-            # the sampled token and M extra samples of the same mu, in one draw
-            probs = logp.exp()
-            draws = torch.multinomial(probs, 1 + self.extra_samples, replacement=True, generator=gen)
-            for i, g in enumerate(own):  # a one-token support is forced, not drawn: no draw used
-                if g is not None and not b.done[i] and int((probs[i] > 0).sum()) > 1:
-                    draws[i] = torch.multinomial(
-                        probs[i], 1 + self.extra_samples, replacement=True, generator=g
-                    )
-            sampled = draws[:, 0]  # [N]
-            was_done = list(b.done)
-            b.record_sampled(logp, sampled, draws[:, 1:])
-            forced = b.force_common()
-            new = [[int(sampled[i]), *forced[i]] for i in range(n)]
-            width = len(new[0])
-            ids = torch.tensor(
-                [row if not d else [self.pad_id] * width for row, d in zip(new, was_done, strict=True)]
-            )
-            live = torch.tensor([[0 if d else 1] * width for d in was_done])
-            mask = torch.cat([mask, live], dim=1)
-            positions = positions[:, -1:] + torch.arange(1, width + 1)[None, :]
-        return b.out
+        result = self.engine.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            cache=DynamicCache(),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._join(new, result.cache, mask, result.logits[:, -1, :], requests)
+
+    def _join(
+        self, new: _Batch, cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor, requests
+    ) -> None:  # noqa: ANN001
+        if self.cache is None or not len(self):
+            self.cache, self.mask, self.logits = cache, mask, logits
+        else:  # pad the shorter cache on the left, then stack the rows
+            length = max(self.mask.shape[1], mask.shape[1])
+            self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(mask, length)])
+            for old, add in zip(self.cache.layers, cache.layers, strict=True):
+                old.keys = torch.cat([_left_pad(old.keys, length, dim=2), _left_pad(add.keys, length, dim=2)])
+                old.values = torch.cat(
+                    [_left_pad(old.values, length, dim=2), _left_pad(add.values, length, dim=2)]
+                )
+            self.logits = torch.cat([self.logits, logits])
+        self.rows.extend(new)
+        self.own += [
+            torch.Generator().manual_seed(r.params.seed) if r.params.seed is not None else None
+            for r in requests
+        ]
+        self.temperature = torch.cat(
+            [self.temperature, torch.tensor([r.params.temperature for r in requests])]
+        )
+        self.top_k = torch.cat([self.top_k, torch.tensor([r.params.top_k for r in requests])])
+        self.top_p = torch.cat([self.top_p, torch.tensor([r.params.top_p for r in requests])])
+        self.pending = torch.zeros((len(self), 0), dtype=torch.long)
+
+    def _forward(self) -> None:
+        """Feed every row's pending ids; the logits of each row's next token."""
+        if self.logits is not None:
+            return
+        width = self.pending.shape[1]
+        positions = self.mask.sum(-1, keepdim=True) + torch.arange(width)[None, :]  # after the real tokens
+        live = torch.tensor([[0 if d else 1] * width for d in self.rows.done], dtype=torch.long)
+        self.mask = torch.cat([self.mask, live], dim=1)
+        result = self.engine.model(
+            input_ids=self.pending,
+            attention_mask=self.mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache, self.logits = result.cache, result.logits[:, -1, :]
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Sample (and record) one token for every live row, then the tokens forced after it."""
+        self._forward()
+        b, extra = self.rows, self.engine.extra_samples
+        logp = processed_logprobs(  # [N, V]
+            self.logits, self.temperature, self.top_k, self.top_p, b.allowed_mask()
+        )
+        # the sampled token and M extra samples of the same mu, in one draw
+        probs = logp.exp()
+        draws = torch.multinomial(probs, 1 + extra, replacement=True, generator=self.gen)
+        for i, g in enumerate(self.own):  # a one-token support is forced, not drawn: no draw used
+            if g is not None and not b.done[i] and int((probs[i] > 0).sum()) > 1:
+                draws[i] = torch.multinomial(probs[i], 1 + extra, replacement=True, generator=g)
+        sampled = draws[:, 0]  # [N]
+        was_done = list(b.done)
+        b.record_sampled(logp, sampled, draws[:, 1:])
+        forced = b.force_common()
+        new = [[int(sampled[i]), *forced[i]] for i in range(len(self))]
+        width = len(new[0])
+        pad = self.engine.pad_id
+        self.pending = torch.tensor(
+            [row if not d else [pad] * width for row, d in zip(new, was_done, strict=True)]
+        )
+        self.logits = None
+
+    def release(self) -> list[tuple[Request, Completion, Exception | None]]:
+        """Remove the finished rows (freeing their cache): their requests, completions and the
+        error that ended a row whose `on_token` raised (None otherwise)."""
+        done = [i for i, d in enumerate(self.rows.done) if d]
+        if not done:
+            return []
+        out = [(self.rows.requests[i], self.rows.out[i], self.rows.errors[i]) for i in done]
+        keep = [i for i, d in enumerate(self.rows.done) if not d]
+        index = torch.tensor(keep, dtype=torch.long)
+        self.rows.select(keep)
+        self.own = [self.own[i] for i in keep]
+        self.temperature, self.top_k, self.top_p = (
+            self.temperature[index],
+            self.top_k[index],
+            self.top_p[index],
+        )
+        self.pending, self.mask = self.pending[index], self.mask[index]
+        self.cache.batch_select_indices(index)
+        if self.logits is not None:
+            self.logits = self.logits[index]
+        start = int((self.mask.sum(0) == 0).long().cumprod(0).sum()) if keep else self.mask.shape[1]
+        if start:  # columns no remaining row attends to: cut from the cache's left
+            self.mask = self.mask[:, start:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+        return out
+
+
+def _left_pad(x: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
+    short = length - x.shape[dim]
+    if short == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = short
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 class _Batch:
-    """Per-request decoding state of one `generate` call: constraint states, outputs, done flags."""
+    """Per-request decoding state of a batch: constraint states, outputs, done flags."""
 
     def __init__(
         self,
@@ -139,12 +253,30 @@ class _Batch:
         top_logprobs: int,
         extra_samples: int,
     ):
-        self.requests, self.vocab_size = requests, vocab_size
+        self.requests, self.vocab_size = list(requests), vocab_size
         self.eos_id, self.pad_id, self.top_logprobs = eos_id, pad_id, top_logprobs
         self.extra_samples = extra_samples
         self.states = [r.constraint.root if r.constraint else None for r in requests]
         self.out = [Completion() for _ in requests]
         self.done = [False] * len(requests)
+        self.errors: list[Exception | None] = [None] * len(requests)
+
+    def config(self) -> tuple[int, int, int, int, int]:
+        return self.vocab_size, self.eos_id, self.pad_id, self.top_logprobs, self.extra_samples
+
+    def extend(self, other: _Batch) -> None:
+        self.requests += other.requests
+        self.states += other.states
+        self.out += other.out
+        self.done += other.done
+        self.errors += other.errors
+
+    def select(self, rows: list[int]) -> None:
+        self.requests = [self.requests[i] for i in rows]
+        self.states = [self.states[i] for i in rows]
+        self.out = [self.out[i] for i in rows]
+        self.done = [self.done[i] for i in rows]
+        self.errors = [self.errors[i] for i in rows]
 
     def allowed_mask(self) -> torch.Tensor | None:  # [N, V] bool
         if all(s is None for s in self.states):
@@ -223,12 +355,18 @@ class _Batch:
         c.extra_ids.append(extra_ids)
         if self.states[i] is not None:
             self.states[i] = ChoiceConstraint.advance(self.states[i], tok)
-        on_token = self.requests[i].on_token
-        if (
-            tok == self.eos_id
-            or (self.states[i] is not None and not self.states[i])
-            or (on_token and on_token(c.token_ids))
-        ):
+        if tok == self.eos_id or (self.states[i] is not None and not self.states[i]) or self._on_token(i):
             self.done[i], c.finish_reason = True, "stop"
         elif len(c.token_ids) >= self.requests[i].params.max_tokens:
             self.done[i] = True
+
+    def _on_token(self, i: int) -> bool:
+        """The row's callback; one that raises ends only its own row (the error is kept)."""
+        on_token = self.requests[i].on_token
+        if on_token is None:
+            return False
+        try:
+            return bool(on_token(self.out[i].token_ids))
+        except Exception as e:  # noqa: BLE001 - reported to that request alone
+            self.errors[i] = e
+            return True

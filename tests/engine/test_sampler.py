@@ -138,3 +138,44 @@ def test_a_request_seed_is_batch_independent_beside_a_constrained_neighbour(tiny
     free = Request(render_ids(tokenizer, episodes[1].messages), SamplingParams(max_tokens=64))
     for neighbour in (free, constrained[1]):
         assert engine.generate([neighbour, constrained[0]], seed=5)[1].token_ids == alone.token_ids
+
+
+def _long_seed(engine, prompt, n):
+    """A request seed whose draw runs all n tokens (no end token)."""
+    return next(
+        s
+        for s in range(200)
+        if engine.generate([Request(prompt, SamplingParams(max_tokens=n, seed=s))])[0].finish_reason
+        == "length"
+    )
+
+
+def test_requests_admitted_between_steps_decode_as_they_would_alone(tiny_model, tokenizer, heldout):
+    """Continuous batching: rows joining a running batch (with a longer and a shorter prompt than
+    its cache), rows leaving it (their cache freed, its left edge cut): every row's tokens and
+    recorded log-probs are those of the request decoded alone."""
+    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id, top_logprobs=5)
+    long_prompt = render_ids(tokenizer, ChessEpisode(heldout[0]).messages)
+    short_prompt = long_prompt[-12:]
+    a = Request(short_prompt, SamplingParams(max_tokens=30, seed=_long_seed(engine, short_prompt, 30)))
+    b = Request(long_prompt, SamplingParams(max_tokens=6, seed=5))  # joins with a longer prompt
+    c = Request(short_prompt[:5], SamplingParams(max_tokens=20, seed=6))  # joins after b left
+    alone = {id(r): engine.generate([r])[0] for r in (a, b, c)}
+    decoder = engine.decoder(seed=0)
+    decoder.admit([a])
+    finished, steps = {}, 0
+    while len(decoder):
+        if steps == 3:
+            decoder.admit([b])
+        if steps == 12:
+            decoder.admit([c])
+        decoder.step()
+        steps += 1
+        for r, out, error in decoder.release():
+            assert error is None
+            finished[id(r)] = (out, steps)
+    assert finished[id(b)][1] < finished[id(a)][1]  # b left while a was still decoding
+    for r in (a, b, c):
+        out = finished[id(r)][0]
+        assert out.token_ids == alone[id(r)].token_ids
+        assert out.logprobs == pytest.approx(alone[id(r)].logprobs, abs=1e-5)

@@ -1,14 +1,50 @@
-"""The batching engine: one bad request fails only itself."""
+"""The batching engine: requests join a running batch and leave it when done; one bad request
+fails only itself."""
+
+from concurrent.futures import Future
 
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import Request, TorchEngine
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 
 
-def test_a_failing_request_does_not_fail_the_requests_batched_with_it(tiny_model, tokenizer):
-    engine = BatchingEngine(
-        TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id), wait_ms=2000, seed=3
+def _engine(tiny_model, tokenizer, **kw) -> BatchingEngine:
+    return BatchingEngine(TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id), **kw)
+
+
+def test_a_request_arriving_mid_decode_joins_and_returns_before_the_long_one(tiny_model, tokenizer):
+    engine = _engine(tiny_model, tokenizer)
+    plain = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    seed = next(  # a draw that runs all 60 tokens
+        s
+        for s in range(200)
+        if plain.generate([Request([5, 6, 7], SamplingParams(max_tokens=60, seed=s))])[0].finish_reason
+        == "length"
     )
+    late: list[Future] = []
+    seen: list[tuple[int, bool]] = []
+
+    def watch(ids: list[int]) -> bool:  # on the engine thread, after each of the long call's tokens
+        if len(ids) == 5:
+            late.append(engine.submit(Request([8, 9], SamplingParams(max_tokens=3, seed=1))))
+        seen.append((len(ids), bool(late) and late[0].done()))
+        return False
+
+    try:
+        long = engine.submit(Request([5, 6, 7], SamplingParams(max_tokens=60, seed=seed), on_token=watch))
+        out, _ = long.result(timeout=120)
+        assert len(out.token_ids) == 60
+        short, recorded_seed = late[0].result(timeout=10)
+        assert len(short.token_ids) == 3 or short.finish_reason == "stop"
+        assert recorded_seed == 1
+        first_done = min(n for n, done in seen if done)
+        assert first_done < 20  # answered within a few steps of arriving, long before the 60th token
+    finally:
+        engine.close()
+
+
+def test_a_failing_request_does_not_fail_the_requests_batched_with_it(tiny_model, tokenizer):
+    engine = _engine(tiny_model, tokenizer, wait_ms=2000)
     try:
         calls = 0
 
@@ -25,6 +61,9 @@ def test_a_failing_request_does_not_fail_the_requests_batched_with_it(tiny_model
         assert len(completion.token_ids) == 4 or completion.finish_reason == "stop"
         assert seed == 1  # the request's own seed is the one recorded
         assert isinstance(bad.exception(timeout=60), RuntimeError)
-        assert calls >= 3  # the batch failed, then the bad request failed alone
+        assert calls == 2  # its row ended at the error
+        bad_prompt = engine.submit(Request([5, 10**9], SamplingParams(max_tokens=2)))  # cannot be prefilled
+        assert bad_prompt.exception(timeout=60) is not None
+        assert engine.submit(Request([5], SamplingParams(max_tokens=2))).result(timeout=60)[0].token_ids
     finally:
         engine.close()
