@@ -27,8 +27,10 @@ def free_port() -> int:
 class GatewayProcess:
     """`python -m prodrl_pipeline.gateway --root ROOT ARGS...` on a free loopback port."""
 
-    def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
+        """`cwd`: the checkout whose code runs (another revision, for side-by-side benchmarks)."""
         self.root, self.args, self.env, self.port = Path(root), args, env or {}, free_port()
+        self.cwd = cwd
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
@@ -45,7 +47,7 @@ class GatewayProcess:
         ]
         with (self.root / f"gateway-{self.port}.log").open("a") as log:  # the child keeps its own handle
             self.proc = subprocess.Popen(
-                cmd, env={**os.environ, **self.env}, stdout=subprocess.DEVNULL, stderr=log
+                cmd, env={**os.environ, **self.env}, stdout=subprocess.DEVNULL, stderr=log, cwd=self.cwd
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:  # readiness probe
