@@ -49,6 +49,7 @@ bench: install  ## benchmarks that print ratios measured side by side (not tests
 	$(BIN)/python -m bench.estimators
 	$(BIN)/python -m bench.logprob_memory
 	$(BIN)/python -m bench.gateway
+	$(BIN)/python -m bench.gateway_load
 
 data: install  ## regenerate the shipped puzzles and tokenizer (deterministic, ~8 minutes on 2 cores)
 	$(BIN)/python -m prodrl_pipeline.envs.lab_data data
