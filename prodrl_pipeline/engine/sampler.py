@@ -102,6 +102,7 @@ class Decoder:
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros((0, 0), dtype=torch.long)  # [N, cache length]
         self.pending = torch.zeros((0, 0), dtype=torch.long)  # [N, w]: ids not yet in the cache
+        self.fed = torch.zeros((0, 0), dtype=torch.long)  # [N, w]: 1 where a pending id is a real token
         self.logits: torch.Tensor | None = None  # [N, V] for the next token, when known
 
     def __len__(self) -> int:
@@ -159,6 +160,7 @@ class Decoder:
         self.top_k = torch.cat([self.top_k, torch.tensor([r.params.top_k for r in requests])])
         self.top_p = torch.cat([self.top_p, torch.tensor([r.params.top_p for r in requests])])
         self.pending = torch.zeros((len(self), 0), dtype=torch.long)
+        self.fed = torch.zeros((len(self), 0), dtype=torch.long)
 
     def _forward(self) -> None:
         """Feed every row's pending ids; the logits of each row's next token."""
@@ -166,8 +168,7 @@ class Decoder:
             return
         width = self.pending.shape[1]
         positions = self.mask.sum(-1, keepdim=True) + torch.arange(width)[None, :]  # after the real tokens
-        live = torch.tensor([[0 if d else 1] * width for d in self.rows.done], dtype=torch.long)
-        self.mask = torch.cat([self.mask, live], dim=1)
+        self.mask = torch.cat([self.mask, self.fed], dim=1)
         result = self.engine.model(
             input_ids=self.pending,
             attention_mask=self.mask,
@@ -188,6 +189,12 @@ class Decoder:
         )
         # the sampled token and M extra samples of the same mu, in one draw
         probs = logp.exp()
+        broken = torch.isnan(logp).any(-1) | ~torch.isfinite(logp).any(-1)  # e.g. an fp16 overflow
+        for i in broken.nonzero().flatten().tolist():  # fails that request alone
+            if not b.done[i]:
+                b.done[i], b.errors[i] = True, ValueError("the model's next-token distribution is not finite")
+            probs[i] = 0.0
+            probs[i, self.engine.pad_id] = 1.0  # a placeholder draw, never recorded
         draws = torch.multinomial(probs, 1 + extra, replacement=True, generator=self.gen)
         for i, g in enumerate(self.own):  # a one-token support is forced, not drawn: no draw used
             if g is not None and not b.done[i] and int((probs[i] > 0).sum()) > 1:
@@ -202,6 +209,7 @@ class Decoder:
         self.pending = torch.tensor(
             [row if not d else [pad] * width for row, d in zip(new, was_done, strict=True)]
         )
+        self.fed = torch.tensor([[0 if d else 1] * width for d in was_done], dtype=torch.long)
         self.logits = None
 
     def release(self) -> list[tuple[Request, Completion, Exception | None]]:
@@ -220,7 +228,7 @@ class Decoder:
             self.top_k[index],
             self.top_p[index],
         )
-        self.pending, self.mask = self.pending[index], self.mask[index]
+        self.pending, self.fed, self.mask = self.pending[index], self.fed[index], self.mask[index]
         self.cache.batch_select_indices(index)
         if self.logits is not None:
             self.logits = self.logits[index]

@@ -352,7 +352,7 @@ def create_app(
 
         def observe(ids_so_far: list[int]) -> bool:
             try:
-                loop.call_soon_threadsafe(tokens.put_nowait, ids_so_far[-1])
+                loop.call_soon_threadsafe(tokens.put_nowait, (len(ids_so_far), ids_so_far[-1]))
             except RuntimeError:  # the event loop is gone (shutdown): end the generation
                 return True
             return gone.is_set()
@@ -360,14 +360,17 @@ def create_app(
         future = submit(prompt_ids, params, req.stop, constraint, observe if live else None)
 
         def finished(f: Future) -> None:
-            for t in [] if live or f.exception() else f.result()[0].token_ids:
-                loop.call_soon_threadsafe(tokens.put_nowait, t)
+            done = [] if live or f.cancelled() or f.exception() else f.result()[0].token_ids
+            for n, t in enumerate(done, 1):
+                loop.call_soon_threadsafe(tokens.put_nowait, (n, t))
             loop.call_soon_threadsafe(tokens.put_nowait, None)
 
         future.add_done_callback(finished)
 
         def end() -> Ending:
-            c, seed = future.result()  # an engine error surfaces here, before anything is recorded
+            if future.exception():  # an engine error surfaces here, before anything is recorded
+                metrics.counts["engine_error"] += 1
+            c, seed = future.result()
             message, finish, logprobs = reply(c)
             record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
             metrics.counts["chat"] += 1
@@ -376,7 +379,8 @@ def create_app(
             return Ending(message, finish, logprobs, usage(prompt_ids, c) if include_usage else None)
 
         def abandon() -> None:
-            gone.set()
+            gone.set()  # ends a running generation at its next token
+            future.cancel()  # or drops a queued one
             metrics.counts["client_gone"] += 1
 
         return chat_stream(
@@ -388,7 +392,7 @@ def create_app(
             tokens,
             end,
             abandon,
-            hold=max((len(s) for s in req.stop or ()), default=1) - 1,
+            stops=req.stop,
             tool_open=None if req.tool_choice == "none" else tokenizer.convert_tokens_to_ids(TOOL_CALL_OPEN),
         )
 

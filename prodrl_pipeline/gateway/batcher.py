@@ -19,7 +19,8 @@ class BatchingEngine:
     """Up to `max_batch` requests decode together. An idle engine waits at most `wait_ms` after
     a first request for others to start with it; a busy one admits whatever is queued at each
     step. Each busy period (or batch) gets the next seed of a counter; a call's recorded seed is
-    its own `params.seed` when it has one, else that seed."""
+    its own `params.seed` when it has one, else that seed (which does not reproduce the call: its
+    draws also depend on when it joined and on its neighbours)."""
 
     def __init__(self, engine: TorchEngine, max_batch: int = 32, wait_ms: float = 5.0, seed: int = 0):
         self.engine, self.max_batch, self.wait = engine, max_batch, wait_ms / 1000
@@ -33,7 +34,10 @@ class BatchingEngine:
     def submit(self, request: Request) -> Future:
         """A future of (Completion, recorded seed)."""
         future: Future = Future()
-        self._queue.put((request, future))
+        if self._closing:
+            future.set_exception(RuntimeError("the engine is shutting down"))
+        else:
+            self._queue.put((request, future))
         return future
 
     def close(self) -> None:
@@ -68,6 +72,7 @@ class BatchingEngine:
         while True:
             live = len(decoder) if decoder is not None else 0
             if self._closing and not live:
+                self._drain()
                 return
             new = self._take(self.max_batch - live, block=not live)
             if decoder is None or not live:
@@ -78,11 +83,12 @@ class BatchingEngine:
                 continue
             try:
                 decoder.step()
+                released = decoder.release()
             except Exception as e:  # noqa: BLE001 - the batch itself failed: every live call gets it
                 self._fail([(r, futures.pop(id(r))) for r in decoder.rows.requests], e)
                 decoder = None
                 continue
-            for r, c, error in decoder.release():
+            for r, c, error in released:
                 future = futures.pop(id(r))
                 if error is None:
                     future.set_result((c, r.params.seed if r.params.seed is not None else seed))
@@ -115,6 +121,17 @@ class BatchingEngine:
             batch = self._take(self.max_batch, block=True)
             if batch:
                 self._run(batch, next(self._seeds))
+        self._drain()
+
+    def _drain(self) -> None:
+        """Fail what was queued behind the close."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(RuntimeError("the engine is shutting down"))
 
     def _run(self, batch: list[Item], seed: int) -> None:
         """One engine call for the batch; if it fails, each request alone, so that one bad request

@@ -59,6 +59,25 @@ def usage(prompt_ids: list[int], c: Completion) -> dict:
     return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
 
 
+class IncrementalText:
+    """The decoded text of a growing list of ids, decoding only the newest tokens (with the
+    previous chunk as context); a partial UTF-8 character waits for the token that completes it."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self._prefix = self._read = 0
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix : self._read], skip_special_tokens=False)
+        after = decode(self.ids[self._prefix :], skip_special_tokens=False)
+        if after.endswith("\ufffd"):
+            return
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+
+
 @dataclass
 class Ending:
     """What a streamed chat call ends with, once its completion is done (and recorded)."""
@@ -79,15 +98,16 @@ async def chat_stream(
     tokens: asyncio.Queue,
     end: Callable[[], Ending],
     abandon: Callable[[], None],
-    hold: int = 0,
+    stops: Sequence[str] | None = None,
     tool_open: int | None = None,
 ) -> AsyncIterator[str]:
-    """Server-sent events of a chat completion as its tokens arrive (`tokens`: ids, then None).
-    Content deltas follow the decoded text, holding back a partial UTF-8 character and the last
-    `hold` characters (a stop string may be forming); from the `tool_open` token on, text waits
-    for the end. `end()` gives the final message (and fills `head`'s token ids); what it adds to
-    the streamed text, the tool calls, the finish reason and the usage follow, then [DONE]. A
-    stream closed early (the client left) calls `abandon()`."""
+    """Server-sent events of a chat completion as its tokens arrive (`tokens`: (n, id) for the
+    n-th completion token, then None; a repeated n is ignored). Content deltas follow the decoded
+    text up to a stop string, holding back what may still become one; from the `tool_open` token
+    on, text waits for the end. `end()` gives the final message (and fills `head`'s token ids);
+    what it adds to the streamed text, the tool calls, the finish reason and the usage follow,
+    then [DONE]. A stream closed early (the client left) calls `abandon()`; an engine error ends
+    the stream with an error event."""
 
     def chunk(delta: dict | None, finish_reason: str | None = None, **extra) -> str:
         body = {
@@ -99,23 +119,33 @@ async def chat_stream(
         choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason}] if delta is not None else []
         return f"data: {json.dumps({**body, 'choices': choices, **extra})}\n\n"
 
+    hold = max((len(s) for s in stops or ()), default=1) - 1
     try:
         yield chunk({"role": "assistant", "content": ""}, prodrl=head)
-        ids, shown, in_call = [], "", False
-        while (token := await tokens.get()) is not None:
-            ids.append(token)
-            in_call = in_call or token == tool_open
-            if in_call or token == tokenizer.eos_token_id:
+        text, seen, shown, quiet = IncrementalText(tokenizer), 0, "", False
+        while (item := await tokens.get()) is not None:
+            n, token = item
+            if n <= seen:
                 continue
-            text = tokenizer.decode(ids, skip_special_tokens=False)
-            text = text[: len(text) - hold].rstrip("\ufffd")  # a partial character waits a token
-            if text.startswith(shown) and len(text) > len(shown):
-                yield chunk({"content": text[len(shown) :]})
-                shown = text
+            seen = n
+            quiet = quiet or token == tool_open  # a tool call is sent whole at the end
+            if quiet or token == tokenizer.eos_token_id:
+                continue
+            text.add(token)
+            cut = cut_at_stop(text.text, stops)
+            quiet = len(cut) < len(text.text)  # a stop string: nothing after it is shown
+            target = cut if quiet else text.text[: len(text.text) - hold]
+            if target.startswith(shown) and len(target) > len(shown):
+                yield chunk({"content": target[len(shown) :]})
+                shown = target
         ending = end()
     except (asyncio.CancelledError, GeneratorExit):  # the client left
         abandon()
         raise
+    except Exception as e:  # noqa: BLE001 - the engine failed: the stream ends with an error event
+        error = {"message": f"generation failed: {e}", "type": "server_error", "param": None, "code": None}
+        yield f"data: {json.dumps({'error': error})}\n\n"
+        return
     message = ending.message
     if message["content"].startswith(shown) and len(message["content"]) > len(shown):
         yield chunk({"content": message["content"][len(shown) :]})

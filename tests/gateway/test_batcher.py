@@ -67,3 +67,16 @@ def test_a_failing_request_does_not_fail_the_requests_batched_with_it(tiny_model
         assert engine.submit(Request([5], SamplingParams(max_tokens=2))).result(timeout=60)[0].token_ids
     finally:
         engine.close()
+
+
+def test_a_request_whose_distribution_is_not_finite_fails_alone(tiny_model, tokenizer):
+    engine = _engine(tiny_model, tokenizer, wait_ms=2000)
+    try:
+        overflow = engine.submit(
+            Request([5, 6, 7], SamplingParams(temperature=1e-45, max_tokens=4))
+        )  # logits/T: inf
+        good = engine.submit(Request([5, 6, 7], SamplingParams(max_tokens=4, seed=2)))
+        assert "not finite" in str(overflow.exception(timeout=60))
+        assert good.result(timeout=60)[0].token_ids
+    finally:
+        engine.close()
