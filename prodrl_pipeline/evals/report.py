@@ -14,6 +14,7 @@ from prodrl_pipeline.records.store import DeltaStore
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
@@ -43,6 +44,7 @@ def curves_png(
             low, high = bands[name]
             ax.fill_between(list(x), list(low), list(high), color=line.get_color(), alpha=0.15)
     ax.set_xlabel(xlabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds and steps are whole numbers
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
