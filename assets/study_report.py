@@ -31,7 +31,7 @@ def study_report(config: StudyReportConfig) -> MaterializeResult:
         metadata={
             "report": MetadataValue.path(str(out)),
             "seeds": MetadataValue.text(",".join(map(str, config.seeds))),
-            "reproduced": sum(f["verdict"].startswith("reproduced") for f in report.findings),
+            "reproduced": sum(f["verdict"] == "reproduced" for f in report.findings),
             "findings": metadata.table(report.findings, FINDING_COLUMNS),
             **curves,
         }

@@ -7,7 +7,15 @@ import pytest
 from dagster import AssetKey, instance_for_test
 
 from assets.study import report, run_study
-from prodrl_pipeline.evals.study import Difference, run_order, seed_difference, t975, verdict
+from prodrl_pipeline.evals.study import (
+    Difference,
+    f_sf,
+    run_order,
+    seed_difference,
+    t975,
+    variance_p,
+    verdict,
+)
 from tests.test_pipeline import TINY
 
 
@@ -58,8 +66,14 @@ def test_replays_run_after_their_source_and_verdicts_follow_the_interval():
     assert d.low > 0 and verdict("better", d) == "reproduced"
     assert verdict("better", Difference(-0.04, -0.06, -0.02, 3)) == "not reproduced"
     assert verdict("better", Difference(0.01, -0.01, 0.03, 3)) == "inconclusive"
-    assert verdict("no_worse", Difference(-0.005, -0.015, 0.005, 3)) == "reproduced"
-    assert verdict("no_worse", Difference(-0.01, -0.03, 0.01, 3)) == "inconclusive"
+    assert verdict("no_worse", Difference(-0.005, -0.015, 0.005, 3), margin=0.02) == "reproduced"
+    assert verdict("no_worse", Difference(-0.005, -0.015, 0.005, 3), margin=0.01) == "inconclusive"
+    assert verdict("no_worse", Difference(-0.03, -0.04, -0.02, 3), margin=0.01) == "not reproduced"
+    # less variance: a one-sided F-test; 2 vs 2 degrees of freedom: P(F >= f) = 1 / (1 + f)
+    assert f_sf(3.0, 2, 2) == pytest.approx(0.25) and f_sf(6.388, 4, 4) == pytest.approx(0.05, abs=1e-4)
+    assert verdict("less_variance", p=variance_p(0.0069, 0.0104, 3)) == "inconclusive"  # p = 0.31
+    assert verdict("less_variance", p=variance_p(0.001, 0.01, 3)) == "reproduced"  # p = 0.0099
+    assert verdict("less_variance", p=variance_p(0.01, 0.001, 3)) == "not reproduced"
     assert seed_difference([0.02], single_seed_se=0.005).low == 0.02 - 1.96 * 0.005
     # Student's t with 2 degrees of freedom (4.303), not a normal quantile
     assert seed_difference([0.0, 0.03, 0.06]).high == pytest.approx(0.03 + 4.303 * 0.03 / 3**0.5)

@@ -18,7 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-NO_WORSE_MARGIN = 0.02  # "does not hurt": the difference's lower bound stays above -2 points
+NO_WORSE_FRACTION = 0.25
+""""Does not hurt": A - B's lower bound stays above minus this fraction of B's gain over the base
+(a margin tied to what training achieves, not to a fixed number of points)."""
+VARIANCE_ALPHA = 0.05  # "less variance": a one-sided F-test on the seeds' variances at this level
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 STUDY_DEFAULTS: Mapping[str, object] = {"gate_margin": 1.0}
 """Lab settings every configuration shares. The deploy gate is opened: a configuration that
@@ -47,8 +50,8 @@ class Comparison:
     key: str
     claim: str
     kind: Literal["better", "no_worse", "less_variance"]
-    """better: `a` beats `b`; no_worse: `a` is within NO_WORSE_MARGIN of `b` or better;
-    less_variance: `a`'s final rate varies less over seeds than `b`'s."""
+    """better: `a` beats `b`; no_worse: `a` is within NO_WORSE_FRACTION of `b`'s gain over the base
+    of `b`, or better; less_variance: `a`'s final rate varies less over seeds than `b`'s."""
     a: str
     b: str
 
@@ -152,15 +155,65 @@ def seed_difference(per_seed: Sequence[float], single_seed_se: float | None = No
     return Difference(mean, mean - half, mean + half, n)
 
 
-def verdict(kind: str, diff: Difference | None, spread: tuple[float, float] | None = None) -> str:
-    """reproduced / not reproduced / inconclusive for one comparison."""
+def f_sf(f: float, d1: int, d2: int) -> float:
+    """P(F >= f) for Snedecor's F with (d1, d2) degrees of freedom: the regularized incomplete
+    beta I_x(d2/2, d1/2) at x = d2 / (d2 + d1 f)."""
+    if f <= 0:
+        return 1.0
+    return _beta_inc(d2 / 2, d1 / 2, d2 / (d2 + d1 * f))
+
+
+def _beta_inc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b) by its continued fraction (modified Lentz)."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast below the mean: use the symmetry
+        return 1.0 - _beta_inc(b, a, 1 - x)
+    front = (
+        math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+        / a
+    )
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1 + num * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1) < 1e-14:
+            break
+    return front * h
+
+
+def variance_p(sd_a: float, sd_b: float, n: int) -> float:
+    """One-sided F-test that A's variance over n seeds is smaller than B's: P(F >= s_b^2 / s_a^2)."""
+    if sd_a == 0:
+        return 0.0 if sd_b > 0 else 1.0
+    return f_sf((sd_b / sd_a) ** 2, n - 1, n - 1)
+
+
+def verdict(kind: str, diff: Difference | None = None, margin: float = 0.0, p: float | None = None) -> str:
+    """reproduced / not reproduced / inconclusive for one comparison: `better` and `no_worse`
+    from the interval of A - B (`no_worse` against -margin), `less_variance` from the F-test's
+    one-sided p-value (and its mirror, p > 1 - alpha: A varies more)."""
     if kind == "less_variance":
-        if spread is None:
+        if p is None:
             return "inconclusive"
-        a, b = spread
-        return "reproduced (indicative)" if a < b else "not reproduced (indicative)"
+        return (
+            "reproduced"
+            if p < VARIANCE_ALPHA
+            else "not reproduced"
+            if p > 1 - VARIANCE_ALPHA
+            else "inconclusive"
+        )
     assert diff is not None
-    floor = 0.0 if kind == "better" else -NO_WORSE_MARGIN
+    floor = 0.0 if kind == "better" else -margin
     if diff.low > floor:
         return "reproduced"
     if diff.high < floor:
