@@ -65,6 +65,7 @@ def test_dagster_dev_serves_the_graph_and_materializations(tmp_path):
             "checkpoint": True,
             "deployment": True,
             "eval_report": True,
+            "study_report": False,  # the lab study's report (group `study`)
         }
         mats = httpx.post(url, json={"query": QUERY_PARTITION}, timeout=10).json()["data"]["assetOrError"]
         (mat,) = mats["assetMaterializations"]
