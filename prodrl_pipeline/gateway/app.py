@@ -35,6 +35,7 @@ from prodrl_pipeline.engine.sampler import Request as EngineRequest
 from prodrl_pipeline.envs.chat import TOOL_CALL_OPEN, parse_assistant_text, render_ids
 from prodrl_pipeline.envs.tool_choice import required_tool_call
 from prodrl_pipeline.gateway.batcher import BatchingEngine
+from prodrl_pipeline.gateway.errors import error_response, validation_error
 from prodrl_pipeline.gateway.guard import Guard
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.protocol import (
@@ -93,43 +94,6 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def _error(
-    status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
-) -> JSONResponse:
-    """An OpenAI-shaped error body."""
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
-
-
-def _field_path(loc: tuple) -> str | None:
-    """The request field of a validation error's location: "body" and pydantic's union-member
-    tags (`str`, `list[TextPart]`, `NamedToolChoice`, ...) dropped."""
-    parts = [
-        str(x)
-        for x in loc[1:]
-        if isinstance(x, int) or not (x in _TYPE_TAGS or x[:1].isupper() or any(c in x for c in "[-'"))
-    ]
-    return ".".join(parts) or None
-
-
-def _validation_error(errors: list[dict]) -> JSONResponse:
-    """The most specific validation error as OpenAI words it: 400, the field in `param`."""
-    if any(e.get("type") == "json_invalid" for e in errors):
-        return _error(400, "We could not parse the JSON body of your request.")
-    e = max(errors, key=lambda e: len(e.get("loc", ())), default={})
-    param = _field_path(tuple(e.get("loc", ())))
-    if e.get("type") == "extra_forbidden":
-        return _error(400, f"Unrecognized request argument supplied: {param}", param)
-    if e.get("type") == "missing":
-        return _error(400, f"Missing required parameter: {param}", param)
-    message = str(e.get("msg", "invalid request")).removeprefix("Value error, ")
-    return _error(400, f"Invalid value for {param}: {message}" if param else message, param)
-
-
 def create_app(
     cfg: GatewayConfig,
     engine: BatchingEngine,
@@ -166,22 +130,22 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.counts["400"] += 1
-        return _validation_error(list(exc.errors()))
+        return validation_error(list(exc.errors()))
 
     @app.exception_handler(ParamError)
     async def refused(_: Request, exc: ParamError) -> JSONResponse:
         metrics.counts["400"] += 1
-        return _error(400, str(exc), exc.param)
+        return error_response(400, str(exc), exc.param)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         metrics.counts[str(exc.status_code)] += 1
-        return _error(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail))
 
     def model_error(name: str) -> JSONResponse:
         metrics.counts["404"] += 1
         message = f"The model `{name}` does not exist; this gateway serves {', '.join(names)}"
-        return _error(404, message, "model", "model_not_found")
+        return error_response(404, message, "model", "model_not_found")
 
     def room() -> None:
         if landing and not landing.has_room():

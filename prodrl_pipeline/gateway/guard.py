@@ -13,6 +13,8 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from prodrl_pipeline.gateway.errors import error_body
+
 OPEN_PATHS = frozenset({"/healthz"})
 FEEDBACK_PATH = "/v1/feedback"
 
@@ -35,8 +37,7 @@ CODES = {401: "invalid_api_key", 413: "request_too_large"}
 
 
 async def _refuse(send: Send, status: int, message: str) -> None:
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": CODES.get(status)}
-    body = json.dumps({"error": error})
+    body = json.dumps(error_body(status, message, code=CODES.get(status)))
     await send(
         {
             "type": "http.response.start",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.sampler import Completion
+from prodrl_pipeline.gateway.errors import error_body
 
 
 def shown_ids(tokenizer: PreTrainedTokenizerBase, c: Completion) -> list[int]:
@@ -143,8 +144,7 @@ async def chat_stream(
         abandon()
         raise
     except Exception as e:  # noqa: BLE001 - the engine failed: the stream ends with an error event
-        error = {"message": f"generation failed: {e}", "type": "server_error", "param": None, "code": None}
-        yield f"data: {json.dumps({'error': error})}\n\n"
+        yield f"data: {json.dumps(error_body(500, f'generation failed: {e}'))}\n\n"
         return
     message = ending.message
     if message["content"].startswith(shown) and len(message["content"]) > len(shown):
