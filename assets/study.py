@@ -17,6 +17,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from dagster import DagsterInstance, materialize
@@ -58,10 +59,24 @@ def _store(root: Path, c: StudyConfig, seed: int) -> StoreResource:
     return StoreResource(root=str(study_store(root, c, seed)))
 
 
-def finished(tables: DeltaStore, experiment: str, k: int) -> bool:
-    """Round k of `experiment` is trained and its deployment evaluated."""
-    ids = set(tables.read("checkpoints").column("checkpoint_id").to_pylist())
-    return round_id(experiment, k) in ids and bool(stored_results(tables, round_id(experiment, k)))
+def finished(tables: DeltaStore, lab: LabResource, k: int) -> bool:
+    """Round k of `lab.experiment` is trained and its deployment evaluated, with the trainer
+    settings `lab` has now (SystemExit if it was trained with others: a resumed study must not
+    mix settings)."""
+    rows = [
+        r for r in tables.read("checkpoints").to_pylist() if r["checkpoint_id"] == round_id(lab.experiment, k)
+    ]
+    if not rows or not stored_results(tables, round_id(lab.experiment, k)):
+        return False
+    stored = json.loads((Path(rows[-1]["path"]) / "prodrl.json").read_text())["trainer"]
+    now = json.loads(json.dumps(asdict(lab.trainer())))
+    if stored != now:
+        changed = sorted(key for key in stored.keys() | now.keys() if stored.get(key) != now.get(key))
+        raise SystemExit(
+            f"{lab.experiment} round {k} was trained with other settings ({', '.join(changed)}); "
+            "use another --root, or remove that configuration's store to rerun it"
+        )
+    return True
 
 
 def study_base(instance: DagsterInstance, root: Path, defaults: Mapping[str, object]) -> Path:
@@ -103,11 +118,11 @@ def run_study(
     todo = [(s, c, k) for s in seeds for c in configs for k in range(1, rounds + 1)]
     ran, t0 = 0, time.perf_counter()
     for i, (seed, c, k) in enumerate(todo, 1):
-        store = _store(root, c, seed)
+        store, lab = _store(root, c, seed), _lab(c, seed, base_dir, defaults)
         tables = store.tables()
-        if finished(tables, c.name, k):
+        if finished(tables, lab, k):
             continue
-        resources = {"store": store, "lab": _lab(c, seed, base_dir, defaults)}
+        resources = {"store": store, "lab": lab}
         if not stored_results(tables, BASE):
             assert materialize([base_model], instance=instance, resources=resources, run_config=QUIET).success
         t = time.perf_counter()

@@ -9,6 +9,7 @@ from dagster import AssetKey, instance_for_test
 from assets.study import report, run_study
 from prodrl_pipeline.evals.study import (
     Difference,
+    StudyConfig,
     f_sf,
     run_order,
     seed_difference,
@@ -40,6 +41,14 @@ def test_study_runs_resumes_and_reports(tmp_path):
         after = _checkpoints(root)
         assert len(after) == 4 and {k: after[k] for k in first} == first  # round 1 untouched
         assert run_study(instance, root, ["retok16"], [0], rounds=2, defaults=TINY) == 0
+        # a configuration whose settings changed since its rounds ran is refused, not mixed in
+        changed = StudyConfig("sc16", {"estimator": {"type": "reinforce"}})
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("assets.study.run_order", lambda names: [changed])
+            with pytest.raises(
+                SystemExit, match=r"sc16 round 1 was trained with other settings \(estimator\)"
+            ):
+                run_study(instance, root, ["sc16"], [0], rounds=2, defaults=TINY)
 
         out = tmp_path / "docs" / "results.md"
         report(instance, root, [0], out)
