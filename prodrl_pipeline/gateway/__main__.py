@@ -19,9 +19,10 @@ from transformers import AutoConfig
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.engine.vllm import VLLMEngine
 from prodrl_pipeline.envs.chat import load_tokenizer
-from prodrl_pipeline.gateway.app import GatewayConfig, create_app, expire_unscored
+from prodrl_pipeline.gateway.app import create_app
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.gateway.landing import LandingLog
+from prodrl_pipeline.gateway.serving import GatewayConfig, expire_unscored
 from prodrl_pipeline.gateway.sessions import SessionIndex
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup

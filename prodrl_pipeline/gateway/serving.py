@@ -1,0 +1,289 @@
+"""What serving a call involves, apart from HTTP: the gateway's settings and metrics, a call's
+trajectory, its checked sampling parameters, the engine request (per-token hooks, constraints), its
+record in the landing log, and the body of a streamed chat call."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+from fastapi import HTTPException
+from transformers import PreTrainedTokenizerBase
+
+from prodrl_pipeline.engine.constraints import ChoiceConstraint
+from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.engine.sampler import Completion
+from prodrl_pipeline.engine.sampler import Request as EngineRequest
+from prodrl_pipeline.envs.chat import TOOL_CALL_OPEN
+from prodrl_pipeline.envs.tool_choice import required_tool_call
+from prodrl_pipeline.gateway.batcher import BatchingEngine
+from prodrl_pipeline.gateway.landing import LandingLog
+from prodrl_pipeline.gateway.protocol import ChatRequest, ParamError, SamplingFields
+from prodrl_pipeline.gateway.responses import Ending, chat_stream, stop_at, usage
+from prodrl_pipeline.gateway.sessions import EXPIRED_TABLE, SessionIndex
+
+TRAJECTORY_HEADER, CALL_HEADER = "X-Prodrl-Trajectory-Id", "X-Prodrl-Call-Id"
+TRAJECTORY_ID = re.compile(r"[A-Za-z0-9_.:-]{1,256}")  # safe in headers, paths and SQL predicates
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """How the gateway serves and records."""
+
+    deployment_id: str
+    """The deployment served (recorded on every call; `model` in responses)."""
+    model_aliases: tuple[str, ...] = ("live",)
+    """Other names a request's `model` may give for the served deployment."""
+    serve_keys: tuple[str, ...] = ()
+    """API keys accepted on the serving endpoints (empty: no key needed)."""
+    feedback_keys: tuple[str, ...] = ()
+    """API keys accepted on /v1/feedback (empty: no key needed)."""
+    max_body_bytes: int = 1_000_000
+    """Larger request bodies are refused with 413."""
+    default_max_tokens: int = 256
+    """Completion length when the request gives none."""
+    record: bool = True
+    """Record calls (off only for benchmarking the recording cost)."""
+
+
+@dataclass
+class Metrics:
+    counts: Counter = field(default_factory=Counter)
+    prefix: Counter = field(default_factory=Counter)
+    """Later calls of a trajectory whose prompt extends / breaks its previous prompt + completion."""
+
+    def render(self, gauges: dict[str, float]) -> str:
+        lines = [
+            f'prodrl_gateway_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.counts.items())
+        ]
+        lines += [f"prodrl_gateway_{k} {v}" for k, v in gauges.items()]
+        return "\n".join(lines) + "\n"
+
+
+class Serving:
+    """The engine, tokenizer, landing log and sessions one gateway serves with."""
+
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        engine: BatchingEngine,
+        tokenizer: PreTrainedTokenizerBase,
+        landing: LandingLog | None,
+        sessions: SessionIndex,
+        max_positions: int,
+    ):
+        self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+        self.landing, self.sessions, self.max_positions = landing, sessions, max_positions
+        self.metrics = Metrics()
+
+    def open_trajectory(self, req: SamplingFields, header: str | None, call_id: str) -> str:
+        """The call's trajectory id, refused (409) when that trajectory expired unscored."""
+        tid = self.trajectory_of(req, header, call_id)
+        if self.sessions.is_expired(tid):
+            raise HTTPException(
+                409,
+                f"trajectory {tid!r} expired unscored (TTL {self.sessions.ttl:g} s); "
+                "start a new trajectory id",
+            )
+        return tid
+
+    @staticmethod
+    def trajectory_of(req: SamplingFields, header: str | None, call_id: str) -> str:
+        given = [
+            (TRAJECTORY_HEADER, header),
+            ("metadata.trajectory_id", (req.metadata or {}).get("trajectory_id")),
+            ("user", req.user),
+        ]
+        for name, tid in given:
+            if tid is None or tid == "":
+                continue
+            if not TRAJECTORY_ID.fullmatch(tid):
+                raise HTTPException(400, f"{name}: a trajectory id is 1-256 characters of [A-Za-z0-9_.:-]")
+            return tid
+        return call_id
+
+    def sampling(self, prompt_ids: list[int], req: SamplingFields, prompt_param: str) -> SamplingParams:
+        """The call's sampling parameters, once the prompt and every parameter are checked against
+        the model and the engine (ParamError otherwise)."""
+        room = self.max_positions - len(prompt_ids)
+        asked = req.max_completion_tokens or req.max_tokens
+        if room < 1 or (asked is not None and asked > room):
+            wanted = f" + max_tokens ({asked})" if asked is not None else ""
+            raise ParamError(
+                prompt_param if asked is None else "max_tokens",
+                f"the prompt ({len(prompt_ids)} tokens){wanted} exceeds the {self.max_positions} positions",
+            )
+        vocab = self.engine.engine.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ParamError(prompt_param, f"prompt token ids must be in [0, {vocab})")
+        if req.stop and "on_token" not in self.engine.engine.honours:
+            raise ParamError("stop", "stop strings are not supported by this gateway's engine yet")
+        shown = getattr(req, "top_logprobs", None) or getattr(req, "logprobs", None)
+        if isinstance(shown, int) and not isinstance(shown, bool) and shown > self.engine.engine.top_logprobs:
+            param = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
+            raise ParamError(
+                param, f"this gateway records the top {self.engine.engine.top_logprobs} log-probs"
+            )
+        return SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_tokens=asked or min(self.cfg.default_max_tokens, room),
+            seed=req.seed,
+        )
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stops: list[str] | None,
+        constraint: ChoiceConstraint | None = None,
+        observe: Callable[[list[int]], bool] | None = None,
+    ) -> Future:
+        """Queue one completion: a future of (Completion, recorded seed). `observe` sees the ids
+        after every token on the engine thread; it or a stop string returning True ends it."""
+        hooks = [h for h in (observe, stop_at(self.tokenizer, stops) if stops else None) if h]
+        on_token = (lambda ids: any([h(ids) for h in hooks])) if hooks else None  # noqa: E731 - every hook sees every token
+        return self.engine.submit(EngineRequest(prompt_ids, params, constraint=constraint, on_token=on_token))
+
+    def record(
+        self,
+        call_id: str,
+        tid: str,
+        prompt_ids: list[int],
+        c: Completion,
+        params: SamplingParams,
+        seed: int,
+        messages: list[dict] | dict,
+    ) -> None:
+        index = self.sessions.next_call_index(tid)
+        extends = self.sessions.follow(tid, prompt_ids, c.token_ids)
+        if extends is not None:
+            self.metrics.prefix["extends" if extends else "breaks"] += 1
+        if not (self.landing and self.cfg.record):
+            return
+        self.landing.append(
+            "call",
+            {
+                "call_id": call_id,
+                "trajectory_id": tid,
+                "call_index": index,
+                "deployment_id": self.cfg.deployment_id,
+                "prompt_token_ids": prompt_ids,
+                "completion_token_ids": c.token_ids,
+                "completion_logprobs": c.logprobs,
+                "topk_token_ids": c.topk_ids,
+                "topk_logprobs": c.topk_logprobs,
+                "support_size": c.support_size,
+                "support_token_ids": c.support_ids,
+                "extra_token_ids": c.extra_ids,
+                "vocab_size": self.engine.engine.vocab_size,
+                "sampling": {**asdict(params), "seed": seed},
+                "finish_reason": c.finish_reason,
+                "messages_json": json.dumps(messages),
+                "created_at": datetime.now(UTC),
+            },
+        )
+
+    async def required_call(self, req: ChatRequest) -> ChoiceConstraint | None:
+        """The constraint enforcing `tool_choice` required or named (None for auto and none: as
+        vLLM does, `none` keeps the tools in the prompt and returns the text as content)."""
+        choice = req.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return None
+        if "tool_choice" not in self.engine.engine.honours:
+            raise ParamError(
+                "tool_choice", "required or named tool calls are not supported by this engine yet"
+            )
+        if req.stop:
+            raise ParamError("stop", "stop cannot cut a required tool call")
+        name = None if choice == "required" else choice.function.name
+        try:
+            return await asyncio.to_thread(required_tool_call, self.tokenizer, req.tools, name)
+        except ValueError as e:
+            raise ParamError("tool_choice", str(e)) from e
+
+    def stream_chat(self, req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply):  # noqa: ANN001, ANN202, PLR0913
+        """The SSE body of a streamed chat call: tokens as the engine produces them (an engine
+        without per-token callbacks streams its finished completion); the call is recorded when
+        its completion is done, before the last chunks; a client that leaves ends the generation
+        at the next token and nothing is recorded."""
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue = asyncio.Queue()
+        gone = threading.Event()
+        live = "on_token" in self.engine.engine.honours
+
+        def observe(ids_so_far: list[int]) -> bool:
+            try:
+                loop.call_soon_threadsafe(tokens.put_nowait, (len(ids_so_far), ids_so_far[-1]))
+            except RuntimeError:  # the event loop is gone (shutdown): end the generation
+                return True
+            return gone.is_set()
+
+        future = self.submit(prompt_ids, params, req.stop, constraint, observe if live else None)
+
+        def finished(f: Future) -> None:
+            done = [] if live or f.cancelled() or f.exception() else f.result()[0].token_ids
+            for n, t in enumerate(done, 1):
+                loop.call_soon_threadsafe(tokens.put_nowait, (n, t))
+            loop.call_soon_threadsafe(tokens.put_nowait, None)
+
+        future.add_done_callback(finished)
+
+        def end() -> Ending:
+            if future.exception():  # an engine error surfaces here, before anything is recorded
+                self.metrics.counts["engine_error"] += 1
+            c, seed = future.result()
+            message, finish, logprobs = reply(c)
+            self.record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
+            self.metrics.counts["chat"] += 1
+            ids["token_ids"] = c.token_ids
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return Ending(message, finish, logprobs, usage(prompt_ids, c) if include_usage else None)
+
+        def abandon() -> None:
+            gone.set()  # ends a running generation at its next token
+            future.cancel()  # or drops a queued one
+            self.metrics.counts["client_gone"] += 1
+
+        return chat_stream(
+            self.tokenizer,
+            self.cfg.deployment_id,
+            call_id,
+            created,
+            ids,
+            tokens,
+            end,
+            abandon,
+            stops=req.stop,
+            tool_open=None
+            if req.tool_choice == "none"
+            else self.tokenizer.convert_tokens_to_ids(TOOL_CALL_OPEN),
+        )
+
+
+def expire_unscored(landing: LandingLog | None, sessions: SessionIndex) -> int:
+    """Move trajectories unscored past the TTL to `rejects` (through the spool: exactly once)."""
+    expired = sessions.expire()
+    if landing:
+        now = datetime.now(UTC)
+        for tid in expired:
+            landing.append(
+                "reject",
+                {
+                    "table_name": EXPIRED_TABLE,
+                    "round": None,
+                    "record_id": tid,
+                    "reason": f"no reward within the TTL of {sessions.ttl:g} s",
+                    "record_json": "{}",
+                    "rejected_at": now,
+                },
+            )
+    return len(expired)
