@@ -1,17 +1,45 @@
-"""Structured outputs: a completion constrained to one of a set of token sequences.
+"""Structured outputs: what a constrained completion may contain, one token at a time.
 
-As in vLLM's guided decoding with a `choice` grammar, the constraint is a token trie. At each
-position only the trie's children are allowed (a logit mask that becomes part of the processed
-distribution); a node with one child forces that token.
+A `Constraint` is the request's rule; `start()` gives the per-completion state the engine steps:
+`allow` marks the ids allowed next (a logit mask that becomes part of the processed distribution
+mu, as in vLLM's guided decoding), `advance` consumes the sampled id, `forced` is the chain of ids
+that are the only ones allowed from here on (fed without sampling, recorded with log-prob 0 under
+a one-token support), `finished` says that no id may follow.
+
+`ChoiceConstraint` (a token trie: one of a set of sequences) serves tool calls over an enum;
+`engine/grammar.py` serves JSON schemas.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class ConstraintState(Protocol):
+    def allow(self, row: torch.Tensor) -> None:
+        """Set `row` (a [V] bool tensor, all False) True at every id allowed next."""
+
+    def advance(self, token: int) -> None:
+        """Consume `token` (ValueError if it was not allowed)."""
+
+    def forced(self) -> list[int]:
+        """The ids forced from here on (each the only allowed one), without consuming them."""
+
+    @property
+    def finished(self) -> bool:
+        """No id may follow: the completion is over."""
+
+
+class Constraint(Protocol):
+    def start(self) -> ConstraintState:
+        """A fresh state for one completion."""
 
 
 class ChoiceConstraint:
-    """Allowed completions as a trie over token ids. A state is a trie node (a dict)."""
+    """Allowed completions as a trie over token ids (a node is a dict of child nodes)."""
 
     def __init__(self, sequences: Sequence[Sequence[int]]):
         if not sequences:
@@ -34,24 +62,34 @@ class ChoiceConstraint:
             if node:
                 raise ValueError(f"allowed sequence {list(seq)} is a prefix of another")
 
-    def allowed(self, state: dict) -> list[int]:
-        return sorted(state)
+    def start(self) -> TrieState:
+        return TrieState(self.root)
 
-    @staticmethod
-    def advance(state: dict, token: int) -> dict:
-        if token not in state:
+
+class TrieState:
+    """A position in a `ChoiceConstraint`'s trie."""
+
+    def __init__(self, node: dict[int, dict]):
+        self.node = node
+
+    def allowed(self) -> list[int]:
+        return sorted(self.node)
+
+    def allow(self, row: torch.Tensor) -> None:
+        row[list(self.node)] = True
+
+    def advance(self, token: int) -> None:
+        if token not in self.node:
             raise ValueError(f"token {token} is not allowed here")
-        return state[token]
+        self.node = self.node[token]
 
-    @staticmethod
-    def is_done(state: dict) -> bool:
-        return not state
-
-    @staticmethod
-    def forced(state: dict) -> list[int]:
-        """The tokens forced from `state` on (single-child chain): fed without sampling."""
-        chain = []
-        while len(state) == 1:
-            ((tok, state),) = state.items()
+    def forced(self) -> list[int]:
+        chain, node = [], self.node
+        while len(node) == 1:
+            ((tok, node),) = node.items()
             chain.append(tok)
         return chain
+
+    @property
+    def finished(self) -> bool:
+        return not self.node

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from prodrl_pipeline.engine.constraints import ChoiceConstraint
+from prodrl_pipeline.engine.constraints import Constraint
 from prodrl_pipeline.engine.processing import SamplingParams, processed_logprobs
 
 
@@ -25,7 +25,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     """`params.seed` set: this request samples from its own generator (batch-independent)."""
-    constraint: ChoiceConstraint | None = None
+    constraint: Constraint | None = None
     on_token: Callable[[list[int]], bool] | None = None
     """Called on the engine thread with the completion's ids after each token (streaming, stop
     strings, a client that left); True ends the completion (finish_reason "stop")."""
@@ -264,7 +264,7 @@ class _Batch:
         self.requests, self.vocab_size = list(requests), vocab_size
         self.eos_id, self.pad_id, self.top_logprobs = eos_id, pad_id, top_logprobs
         self.extra_samples = extra_samples
-        self.states = [r.constraint.root if r.constraint else None for r in requests]
+        self.states = [r.constraint.start() if r.constraint else None for r in requests]
         self.out = [Completion() for _ in requests]
         self.done = [False] * len(requests)
         self.errors: list[Exception | None] = [None] * len(requests)
@@ -293,7 +293,10 @@ class _Batch:
         for i, s in enumerate(self.states):
             if s is not None and not self.done[i]:
                 allowed[i] = False
-                allowed[i, list(s)] = True
+                try:
+                    s.allow(allowed[i])
+                except Exception as e:  # noqa: BLE001 - a constraint that fails ends its own row
+                    self.fail(i, e)
         return allowed
 
     def record_sampled(self, logp: torch.Tensor, sampled: torch.Tensor, extra: torch.Tensor) -> None:
@@ -321,21 +324,22 @@ class _Batch:
     def force_common(self) -> list[list[int]]:
         """Append to every unfinished row the same number m of forced tokens (m = the shortest
         forced chain among them, so the next forward pass stays rectangular)."""
-        chains = []
+        chains: dict[int, list[int]] = {}
         for i, s in enumerate(self.states):
-            if self.done[i]:
+            if self.done[i] or s is None:
+                chains[i] = []
                 continue
             room = self.requests[i].params.max_tokens - len(self.out[i].token_ids)
-            chains.append(ChoiceConstraint.forced(s)[:room] if s is not None else [])
-        m = min((len(c) for c in chains), default=0)
-        out, it = [], iter(chains)
+            try:
+                chains[i] = s.forced()[:room]
+            except Exception as e:  # noqa: BLE001 - a constraint that fails ends its own row
+                self.fail(i, e)
+        m = min((len(c) for i, c in chains.items() if not self.done[i]), default=0)
+        out = []
         for i in range(len(self.states)):
-            if self.done[i]:
-                out.append([self.pad_id] * m)
-                continue
             chain = []
-            for tok in next(it)[:m]:
-                if self.done[i]:  # its on_token callback ended the row inside the chain
+            for tok in chains.get(i, [])[:m]:
+                if self.done[i]:  # ended (its on_token callback) inside the chain
                     break
                 self.append(i, tok, 0.0, [tok], [0.0], 1, [], [tok] * self.extra_samples)
                 chain.append(tok)
@@ -361,12 +365,21 @@ class _Batch:
         c.support_size.append(support_size)
         c.support_ids.append(support_ids)
         c.extra_ids.append(extra_ids)
-        if self.states[i] is not None:
-            self.states[i] = ChoiceConstraint.advance(self.states[i], tok)
-        if tok == self.eos_id or (self.states[i] is not None and not self.states[i]) or self._on_token(i):
+        state = self.states[i]
+        if state is not None:
+            try:
+                state.advance(tok)
+            except Exception as e:  # noqa: BLE001
+                self.fail(i, e)
+                return
+        if tok == self.eos_id or (state is not None and state.finished) or self._on_token(i):
             self.done[i], c.finish_reason = True, "stop"
         elif len(c.token_ids) >= self.requests[i].params.max_tokens:
             self.done[i] = True
+
+    def fail(self, i: int, error: Exception) -> None:
+        """End row i with `error` (reported to its request alone)."""
+        self.done[i], self.errors[i] = True, error
 
     def _on_token(self, i: int) -> bool:
         """The row's callback; one that raises ends only its own row (the error is kept)."""

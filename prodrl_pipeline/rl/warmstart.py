@@ -24,7 +24,6 @@ import chess
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from prodrl_pipeline.engine.constraints import ChoiceConstraint
 from prodrl_pipeline.envs.chat import render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode, move_text, tool_call_message
 from prodrl_pipeline.envs.puzzles import Puzzle
@@ -73,12 +72,12 @@ def solved_turns(tokenizer: PreTrainedTokenizerBase, puzzles: Sequence[Puzzle]) 
         episode = ChessEpisode(puzzle)
         while not episode.done:
             move = move_text(episode.board, chess.Move.from_uci(puzzle.moves[episode.ply]))
-            state = tool_choice_constraint(tokenizer, "move", "move", episode.allowed_moves()).root
+            state = tool_choice_constraint(tokenizer, "move", "move", episode.allowed_moves()).start()
             completion = tool_call_ids(tokenizer, "move", "move", move)
             supports = []
             for tok in completion:
-                supports.append(sorted(state))
-                state = ChoiceConstraint.advance(state, tok)
+                supports.append(state.allowed())
+                state.advance(tok)
             turns.append(Turn(render_ids(tokenizer, episode.messages), list(completion), supports))
             episode.step(tool_call_message(move))
     return turns

@@ -1,5 +1,3 @@
-import math
-
 import pytest
 import torch
 
@@ -8,27 +6,6 @@ from prodrl_pipeline.engine.sampler import Request, TorchEngine
 from prodrl_pipeline.envs.chat import render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
-
-
-def _reference_distribution(model, ids: list[int], params: SamplingParams, allowed: list[int] | None):
-    """mu(.|h) recomputed independently: a full forward pass (no KV cache), then the processing
-    written out step by step in float64."""
-    with torch.no_grad():
-        z = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
-    if allowed is not None:
-        keep = torch.zeros_like(z, dtype=torch.bool)
-        keep[allowed] = True
-        z = z.masked_fill(~keep, -math.inf)
-    z = z / params.temperature
-    order = z.argsort(descending=True)
-    n = len(z) if params.top_k == 0 else params.top_k
-    kept = order[:n][torch.isfinite(z[order[:n]])]
-    p = torch.softmax(z[kept], 0)
-    cum_before = torch.cumsum(p, 0) - p
-    kept = kept[cum_before < params.top_p]
-    logp = torch.full_like(z, -math.inf)
-    logp[kept] = torch.log_softmax(z[kept], 0)
-    return logp
 
 
 @pytest.mark.parametrize(
@@ -41,7 +18,7 @@ def _reference_distribution(model, ids: list[int], params: SamplingParams, allow
     ],
 )
 def test_recorded_logprobs_are_the_processed_distribution(
-    tiny_model, tokenizer, heldout, params, constrained
+    tiny_model, tokenizer, heldout, params, constrained, reference_mu
 ):
     engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id, top_logprobs=20)
     episodes = [ChessEpisode(p) for p in heldout[:3]]
@@ -56,10 +33,10 @@ def test_recorded_logprobs_are_the_processed_distribution(
     outs = engine.generate(requests, seed=0)
     checked_free = 0
     for req, out in zip(requests, outs, strict=True):
-        state = req.constraint.root if req.constraint else None
+        state = req.constraint.start() if req.constraint else None
         for t, tok in enumerate(out.token_ids):
-            allowed = sorted(state) if state is not None else None
-            ref = _reference_distribution(tiny_model, req.prompt_ids + out.token_ids[:t], params, allowed)
+            allowed = state.allowed() if state is not None else None
+            ref = reference_mu(tiny_model, req.prompt_ids + out.token_ids[:t], params, allowed)
             kept = torch.isfinite(ref).nonzero().squeeze(1)
             assert out.support_size[t] == len(kept)
             assert out.logprobs[t] == pytest.approx(float(ref[tok]), abs=2e-5)
@@ -75,7 +52,7 @@ def test_recorded_logprobs_are_the_processed_distribution(
             else:
                 checked_free += 1
             if state is not None:
-                state = state[tok]
+                state.advance(tok)
         if constrained:
             assert out.finish_reason == "stop" and out.token_ids[-1] == tokenizer.eos_token_id
     assert checked_free >= 3

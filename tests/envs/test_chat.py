@@ -24,7 +24,6 @@ def test_every_training_move_is_one_token_in_list_and_argument(tokenizer, train_
 
 def test_a_split_held_out_move_is_still_playable_through_the_constraint(tokenizer, heldout):
     """A held-out move string that is not a token: the constraint trie walks its BPE pieces."""
-    from prodrl_pipeline.engine.constraints import ChoiceConstraint
     from prodrl_pipeline.envs.tool_choice import tool_call_ids
 
     vocab = tokenizer.get_vocab()
@@ -32,10 +31,10 @@ def test_a_split_held_out_move_is_still_playable_through_the_constraint(tokenize
         (p.start_board(), m) for p in heldout for m in legal_move_texts(p.start_board()) if m not in vocab
     )
     ids = tool_call_ids(tokenizer, "move", "move", move)
-    state = tool_choice_constraint(tokenizer, "move", "move", legal_move_texts(board)).root
+    state = tool_choice_constraint(tokenizer, "move", "move", legal_move_texts(board)).start()
     for tok in ids:
-        state = ChoiceConstraint.advance(state, tok)  # raises if the engine could not emit it
-    assert not state and f'"move": "{move}"' in tokenizer.decode(list(ids))
+        state.advance(tok)  # raises if the engine could not emit it
+    assert state.finished and f'"move": "{move}"' in tokenizer.decode(list(ids))
     assert len(tokenizer.encode(move, add_special_tokens=False)) > 1
 
 
@@ -59,11 +58,11 @@ def test_constraint_choices_are_the_templates_tool_calls(tokenizer, heldout):
     seen = []
 
     def walk(node, prefix):
-        if constraint.is_done(node):
+        if not node:
             seen.append(prefix)
             return
-        for tok in constraint.allowed(node):
-            walk(constraint.advance(node, tok), prefix + [tok])
+        for tok, child in node.items():
+            walk(child, prefix + [tok])
 
     walk(constraint.root, [])
     decoded = {tokenizer.decode(s, skip_special_tokens=False) for s in seen}

@@ -14,11 +14,11 @@ def test_turns_are_what_the_constrained_engine_emits(tokenizer, train_puzzles):
     assert len(turns) == sum(p.n_player_moves for p in puzzles)
     first = turns[0]
     episode = ChessEpisode(puzzles[0])
-    state = tool_choice_constraint(tokenizer, "move", "move", episode.allowed_moves()).root
+    state = tool_choice_constraint(tokenizer, "move", "move", episode.allowed_moves()).start()
     for tok, support in zip(first.completion_ids, first.supports, strict=True):
-        assert support == sorted(state) and tok in support  # every token is one the engine may emit
-        state = state[tok]
-    assert not state  # the completion ends where the constraint does
+        assert support == state.allowed() and tok in support  # every token is one the engine may emit
+        state.advance(tok)
+    assert state.finished  # the completion ends where the constraint does
     free = [s for s in first.supports if len(s) > 1]
     assert free and len(free[0]) == len(episode.allowed_moves())  # the move: one token per legal move
 

@@ -1,0 +1,110 @@
+"""Grammar-constrained decoding: JSON (any object, or a JSON schema) through llguidance, the
+library behind vLLM's `guidance` structured-output backend.
+
+A matcher tracks the completion's bytes against the grammar over the tokenizer's vocabulary; its
+token bitmask is the logit mask (part of mu, as every mask is). The end-of-turn id is allowed once
+the text is a complete match. Special tokens other than that id are never allowed: JSON text is
+plain text. Whitespace between JSON tokens is flexible (vLLM's default for this backend).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+MAX_FORCED = 256  # a forced chain longer than this is sampled on (one-token supports) instead
+
+
+def _ll_tokenizer(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> llguidance.LLTokenizer:
+    """llguidance's view of `tokenizer` (built once per tokenizer and end id: ~0.1 s)."""
+    cached = _TOKENIZERS.setdefault(tokenizer, {})
+    if eos_id not in cached:
+        cached[eos_id] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=eos_id)
+    return cached[eos_id]
+
+
+class GrammarConstraint:
+    """Completions matching an llguidance grammar, then the end-of-turn id."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, grammar: str, eos_id: int):
+        self.ll = _ll_tokenizer(tokenizer, eos_id)
+        self.grammar, self.eos_id, self.n_vocab = grammar, eos_id, len(tokenizer)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
+        if is_error:
+            raise ValueError(f"the grammar cannot be enforced: {messages[0]}")
+
+    @classmethod
+    def json(
+        cls, tokenizer: PreTrainedTokenizerBase, eos_id: int, schema: dict | None = None
+    ) -> GrammarConstraint:
+        """JSON text matching `schema`; None: any JSON object (OpenAI's `json_object`)."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps({"type": "object"} if schema is None else schema)
+            )
+        except ValueError as e:
+            raise ValueError(f"the JSON schema cannot be enforced: {e}") from e
+        return cls(tokenizer, grammar, eos_id)
+
+    def start(self) -> GrammarState:
+        return GrammarState(llguidance.LLMatcher(self.ll, self.grammar), self.eos_id, self.n_vocab)
+
+
+class GrammarState:
+    """One completion's matcher, with the mask of its current position cached."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_id: int, n_vocab: int):
+        self.matcher, self.eos_id, self.n_vocab = matcher, eos_id, n_vocab
+        self.ended = False
+        self._mask: np.ndarray | None = None
+
+    @staticmethod
+    def _allowed(matcher: llguidance.LLMatcher, n_vocab: int) -> np.ndarray:  # [n_vocab] bool
+        if matcher.is_error():
+            raise ValueError(f"the grammar matcher failed: {matcher.get_error()}")
+        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(words, bitorder="little")[:n_vocab].astype(bool)
+
+    def mask(self) -> np.ndarray:
+        if self._mask is None:
+            self._mask = self._allowed(self.matcher, self.n_vocab)
+        return self._mask
+
+    def allowed(self) -> list[int]:
+        return np.flatnonzero(self.mask()).tolist()
+
+    def allow(self, row: torch.Tensor) -> None:
+        row[: self.n_vocab] = torch.from_numpy(self.mask())
+
+    def advance(self, token: int) -> None:
+        if not (0 <= token < self.n_vocab and self.mask()[token]):
+            raise ValueError(f"token {token} is not allowed here")
+        self._mask = None
+        if token == self.eos_id:
+            self.ended = True
+        elif not self.matcher.consume_token(token):
+            raise ValueError(f"the grammar matcher failed: {self.matcher.get_error()}")
+
+    def forced(self) -> list[int]:
+        mask = self.mask()
+        if mask.sum() != 1:  # the common case: nothing forced
+            return []
+        chain, matcher = [], self.matcher.deep_copy()
+        while len(chain) < MAX_FORCED and mask.sum() == 1:
+            tok = int(np.flatnonzero(mask)[0])
+            chain.append(tok)
+            if tok == self.eos_id or not matcher.consume_token(tok):
+                break
+            mask = self._allowed(matcher, self.n_vocab)
+        return chain
+
+    @property
+    def finished(self) -> bool:
+        return self.ended
