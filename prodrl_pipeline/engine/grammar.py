@@ -34,11 +34,10 @@ class GrammarConstraint:
     """Completions matching an llguidance grammar, then the end-of-turn id."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, grammar: str, eos_id: int):
-        self.ll = _ll_tokenizer(tokenizer, eos_id)
-        self.grammar, self.eos_id, self.n_vocab = grammar, eos_id, len(tokenizer)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
-        if is_error:
-            raise ValueError(f"the grammar cannot be enforced: {messages[0]}")
+        self.eos_id, self.n_vocab = eos_id, len(tokenizer)
+        self.fresh = llguidance.LLMatcher(_ll_tokenizer(tokenizer, eos_id), grammar, log_level=0)
+        if self.fresh.is_error():  # compiled once here; each completion starts from a copy
+            raise ValueError(f"the grammar cannot be enforced: {self.fresh.get_error()}")
 
     @classmethod
     def json(
@@ -54,7 +53,7 @@ class GrammarConstraint:
         return cls(tokenizer, grammar, eos_id)
 
     def start(self) -> GrammarState:
-        return GrammarState(llguidance.LLMatcher(self.ll, self.grammar), self.eos_id, self.n_vocab)
+        return GrammarState(self.fresh.deep_copy(), self.eos_id, self.n_vocab)
 
 
 class GrammarState:

@@ -46,7 +46,7 @@ class Completion:
 class TorchEngine:
     """Serves a causal LM (already holding the deployed weights) on CPU or GPU."""
 
-    honours = frozenset({"on_token", "tool_choice"})
+    honours = frozenset({"on_token", "tool_choice", "response_format"})
     """Request features beyond sampling parameters: per-token callbacks, constraints."""
 
     def __init__(

@@ -153,7 +153,7 @@ def create_app(
         except Exception as e:  # a template error is the request's fault
             raise ParamError("messages", f"messages do not render with the chat template: {e}") from e
         params = serving.sampling(prompt_ids, req, "messages")
-        constraint = await serving.required_call(req)
+        constraint = await serving.constraint(req)
         headers = {TRAJECTORY_HEADER: tid, CALL_HEADER: call_id}
         ids = {"trajectory_id": tid, "call_id": call_id, "prompt_token_ids": prompt_ids}
         created = int(time.time())

@@ -179,8 +179,19 @@ class NamedToolChoice(Strict):
     function: FunctionName
 
 
+class JsonSchemaFormat(Strict):
+    """`response_format.json_schema`: the schema is enforced whatever `strict` says."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatRequest(SamplingFields):
@@ -202,6 +213,13 @@ class ChatRequest(SamplingFields):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+        fmt = self.response_format
+        if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            raise ParamError("response_format.json_schema", "json_schema goes with type json_schema (only)")
+        if fmt is not None and fmt.type != "text" and self.tool_choice not in (None, "none", "auto"):
+            raise ParamError(
+                "response_format", "a JSON reply and a required tool call cannot both be enforced"
+            )
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ParamError("tool_choice", "tool_choice asks for a tool call but no tools are given")
         for i, tool in enumerate(self.tools or []):

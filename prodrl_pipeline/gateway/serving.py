@@ -17,7 +17,8 @@ from datetime import UTC, datetime
 from fastapi import HTTPException
 from transformers import PreTrainedTokenizerBase
 
-from prodrl_pipeline.engine.constraints import ChoiceConstraint
+from prodrl_pipeline.engine.constraints import Constraint
+from prodrl_pipeline.engine.grammar import GrammarConstraint
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import Completion
 from prodrl_pipeline.engine.sampler import Request as EngineRequest
@@ -144,7 +145,7 @@ class Serving:
         prompt_ids: list[int],
         params: SamplingParams,
         stops: list[str] | None,
-        constraint: ChoiceConstraint | None = None,
+        constraint: Constraint | None = None,
         observe: Callable[[list[int]], bool] | None = None,
     ) -> Future:
         """Queue one completion: a future of (Completion, recorded seed). `observe` sees the ids
@@ -192,10 +193,21 @@ class Serving:
             },
         )
 
-    async def required_call(self, req: ChatRequest) -> ChoiceConstraint | None:
-        """The constraint enforcing `tool_choice` required or named (None for auto and none: as
-        vLLM does, `none` keeps the tools in the prompt and returns the text as content)."""
-        choice = req.tool_choice
+    async def constraint(self, req: ChatRequest) -> Constraint | None:
+        """The structured output a chat call asks for: JSON (`response_format`), or the call
+        `tool_choice` required or named asks for (None for auto and none: as vLLM does, `none`
+        keeps the tools in the prompt and returns the text as content). Compiled off the loop."""
+        fmt, choice = req.response_format, req.tool_choice
+        if fmt is not None and fmt.type != "text":
+            if "response_format" not in self.engine.engine.honours:
+                raise ParamError("response_format", "JSON replies are not supported by this engine yet")
+            schema = fmt.json_schema.schema_ if fmt.json_schema else None
+            try:
+                return await asyncio.to_thread(
+                    GrammarConstraint.json, self.tokenizer, self.tokenizer.eos_token_id, schema
+                )
+            except ValueError as e:
+                raise ParamError("response_format", str(e)) from e
         if choice is None or choice in ("none", "auto"):
             return None
         if "tool_choice" not in self.engine.engine.honours:

@@ -250,12 +250,44 @@ BAD = [
         "tool_choice",
     ),
     (
-        "json mode",
+        "unknown response format",
         CHAT,
-        {"messages": [USER], "response_format": {"type": "json_object"}},
+        {"messages": [USER], "response_format": {"type": "yaml"}},
         SERVE,
         400,
         "response_format.type",
+    ),
+    (
+        "json_schema without its schema",
+        CHAT,
+        {"messages": [USER], "response_format": {"type": "json_schema"}},
+        SERVE,
+        400,
+        "response_format.json_schema",
+    ),
+    (
+        "a schema that cannot be enforced",
+        CHAT,
+        {
+            "messages": [USER],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
+        },
+        SERVE,
+        400,
+        "response_format",
+    ),
+    (
+        "json and a required tool call",
+        CHAT,
+        {
+            "messages": [USER],
+            "tools": [ENUM_TOOL],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        SERVE,
+        400,
+        "response_format",
     ),
     (
         "image part",
@@ -498,6 +530,32 @@ def test_openai_parameters_are_honoured_and_recorded(gateway, tokenizer, heldout
         "role": "assistant",
         "content": plain.choices[0].message.content,
     }
+
+
+def test_json_replies_follow_the_schema_and_record_the_constrained_support(gateway, tokenizer):
+    chat = _client(gateway).chat.completions.create
+    schema = {
+        "type": "object",
+        "properties": {"move": {"type": "string", "enum": ["e4", "Nf3"]}, "sure": {"type": "boolean"}},
+        "required": ["move", "sure"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    user = [{"role": "user", "content": "Your move, as JSON."}]
+    shaped = [
+        chat(model="live", messages=user, max_tokens=256, seed=s, response_format=fmt) for s in range(3)
+    ]
+    for r in shaped:
+        value = json.loads(r.choices[0].message.content)
+        assert set(value) == {"move", "sure"} and value["move"] in {"e4", "Nf3"}
+        assert r.choices[0].finish_reason == "stop"
+    anything = chat(model="live", messages=user, max_tokens=2, response_format={"type": "json_object"})
+    assert anything.choices[0].message.content.startswith("{")
+    landed = _landed(gateway)
+    record = landed[shaped[0].model_extra["prodrl"]["call_id"]]
+    vocab = record["vocab_size"]
+    assert all(size < vocab for size in record["support_size"])  # the grammar's mask is part of mu
+    assert json.loads(_text(tokenizer, record)) == json.loads(shaped[0].choices[0].message.content)
 
 
 def test_multi_turn_prefix_continuity_and_calls_nobody_received(gateway):
