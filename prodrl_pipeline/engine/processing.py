@@ -1,8 +1,9 @@
 """Logit processing into the distribution actually sampled from (vLLM `processed_logprobs`).
 
-Order, as vLLM: structured-output mask -> temperature -> top-k -> top-p -> log-softmax over the
-survivors. Temperature 0 means greedy: a one-token support with log-prob 0. Removed tokens get
--inf. The result is mu(.|h) for every row, the distribution the engine records.
+Order, as vLLM: logit bias -> structured-output mask -> temperature -> top-k -> top-p ->
+log-softmax over the survivors. Temperature 0 means greedy: a one-token support with log-prob 0.
+top_p = 1 keeps every token (as vLLM skips it; a cumulative sum that rounds to 1 cuts nothing).
+Removed tokens get -inf. The result is mu(.|h) for every row, the distribution the engine records.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class SamplingParams:
     """Longest completion."""
     seed: int | None = None
     """Seed of the sampling RNG (None: nondeterministic)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before everything else (OpenAI's `logit_bias`).
+    Recorded: the trainer evaluates pi with the same bias, as it does at the recorded temperature."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -36,6 +40,22 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(
+                    f"logit_bias takes token ids >= 0 and biases in [-100, 100], got {token}: {bias}"
+                )
+
+    def recorded(self, seed: int) -> dict:
+        """The `sampling` column of a recorded call (docs/tables.md); `seed` is the one drawn from."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_tokens": self.max_tokens,
+            "seed": seed,
+            "logit_bias": [{"token_id": t, "bias": b} for t, b in self.logit_bias],
+        }
 
 
 def processed_logprobs(
@@ -44,8 +64,11 @@ def processed_logprobs(
     top_k: torch.Tensor,  # [N] int, 0 = off
     top_p: torch.Tensor,  # [N]
     allowed: torch.Tensor | None = None,  # [N, V] bool, None = everything allowed
+    bias: torch.Tensor | None = None,  # [N, V] added to the logits, None = no bias
 ) -> torch.Tensor:  # [N, V], -inf outside the kept support
     logits = logits.float()
+    if bias is not None:
+        logits = logits + bias
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
     greedy = temperature == 0
@@ -53,13 +76,16 @@ def processed_logprobs(
     vocab = scaled.shape[-1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
     k = torch.where(greedy, torch.ones_like(k), k)
+    nucleus = top_p < 1  # top_p = 1 keeps everything, as vLLM skips it (no float-rounding cut)
+    if not bool(((k < vocab) | nucleus).any()):  # nothing to truncate: no sort
+        return scaled.log_softmax(-1)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [N, V]
     rank = torch.arange(vocab)[None, :]
     keep_sorted = rank < k[:, None]
     probs = sorted_logits.masked_fill(~keep_sorted, float("-inf")).softmax(-1)
     # Keep a token if the mass strictly before it is < top_p (so the first token is always kept).
     mass_before = probs.cumsum(-1) - probs
-    keep_sorted &= mass_before < top_p[:, None]
+    keep_sorted &= (mass_before < top_p[:, None]) | ~nucleus[:, None]
     keep_sorted &= torch.isfinite(sorted_logits)
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     return scaled.masked_fill(~keep, float("-inf")).log_softmax(-1)

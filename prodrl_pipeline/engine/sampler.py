@@ -46,7 +46,7 @@ class Completion:
 class TorchEngine:
     """Serves a causal LM (already holding the deployed weights) on CPU or GPU."""
 
-    honours = frozenset({"on_token", "tool_choice", "response_format"})
+    honours = frozenset({"on_token", "tool_choice", "response_format", "logit_bias"})
     """Request features beyond sampling parameters: per-token callbacks, constraints."""
 
     def __init__(
@@ -99,6 +99,7 @@ class Decoder:
         self.own: list[torch.Generator | None] = []
         self.temperature, self.top_p = torch.zeros(0), torch.zeros(0)  # per row
         self.top_k = torch.zeros(0, dtype=torch.long)
+        self.bias: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per row: (ids, biases)
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros((0, 0), dtype=torch.long)  # [N, cache length]
         self.pending = torch.zeros((0, 0), dtype=torch.long)  # [N, w]: ids not yet in the cache
@@ -159,6 +160,7 @@ class Decoder:
         )
         self.top_k = torch.cat([self.top_k, torch.tensor([r.params.top_k for r in requests])])
         self.top_p = torch.cat([self.top_p, torch.tensor([r.params.top_p for r in requests])])
+        self.bias += [_bias(r.params, self.engine.vocab_size) for r in requests]
         self.pending = torch.zeros((len(self), 0), dtype=torch.long)
         self.fed = torch.zeros((len(self), 0), dtype=torch.long)
 
@@ -185,7 +187,7 @@ class Decoder:
         self._forward()
         b, extra = self.rows, self.engine.extra_samples
         logp = processed_logprobs(  # [N, V]
-            self.logits, self.temperature, self.top_k, self.top_p, b.allowed_mask()
+            self.logits, self.temperature, self.top_k, self.top_p, b.allowed_mask(), self._bias_matrix()
         )
         # the sampled token and M extra samples of the same mu, in one draw
         probs = logp.exp()
@@ -212,6 +214,15 @@ class Decoder:
         self.fed = torch.tensor([[0 if d else 1] * width for d in was_done], dtype=torch.long)
         self.logits = None
 
+    def _bias_matrix(self) -> torch.Tensor | None:  # [N, V]
+        if all(b is None for b in self.bias):
+            return None
+        dense = torch.zeros((len(self), self.engine.vocab_size))
+        for i, b in enumerate(self.bias):
+            if b is not None:
+                dense[i, b[0]] = b[1]
+        return dense
+
     def release(self) -> list[tuple[Request, Completion, Exception | None]]:
         """Remove the finished rows (freeing their cache): their requests, completions and the
         error that ended a row whose `on_token` raised (None otherwise)."""
@@ -223,6 +234,7 @@ class Decoder:
         index = torch.tensor(keep, dtype=torch.long)
         self.rows.select(keep)
         self.own = [self.own[i] for i in keep]
+        self.bias = [self.bias[i] for i in keep]
         self.temperature, self.top_k, self.top_p = (
             self.temperature[index],
             self.top_k[index],
@@ -238,6 +250,15 @@ class Decoder:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
         return out
+
+
+def _bias(params: SamplingParams, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not params.logit_bias:
+        return None
+    ids, biases = zip(*params.logit_bias, strict=True)
+    if max(ids) >= vocab_size:
+        raise ValueError(f"logit_bias names token {max(ids)}, outside the vocabulary of {vocab_size}")
+    return torch.tensor(ids), torch.tensor(biases, dtype=torch.float32)
 
 
 def _left_pad(x: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from transformers import PreTrainedTokenizerBase
@@ -95,7 +95,7 @@ def play(
                         "support_token_ids": out.support_ids,
                         "extra_token_ids": out.extra_ids,
                         "vocab_size": engine.vocab_size,
-                        "sampling": {**asdict(params), "seed": batch_seed},
+                        "sampling": params.recorded(batch_seed),
                         "finish_reason": out.finish_reason,
                         "messages_json": json.dumps(episodes[i].messages[:-1]),
                         "created_at": now,

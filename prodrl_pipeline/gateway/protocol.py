@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP, MAX_STOP_CHARS = 4, 128  # stop sequences: OpenAI's count; a length bound on their check
+MAX_LOGIT_BIAS = 300  # tokens per call: a bound on what each recorded call carries
 MIN_TEMPERATURE = 0.01  # below (except 0, greedy) logits / T overflow into NaN
 
 
@@ -68,7 +69,7 @@ class SamplingFields(Strict):
     max_completion_tokens: int | None = Field(None, ge=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
-    logit_bias: dict[str, int] | None = None
+    logit_bias: dict[str, float] | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per call: each call is one recorded sample")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -92,12 +93,17 @@ class SamplingFields(Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _bias(cls, v: dict[str, int] | None) -> dict[str, int] | None:
-        if v:  # the data contract records a restricted support as its kept ids: V - n per token
-            raise ValueError(
-                "logit_bias is not supported: a bias reshapes the sampled distribution beyond what the "
-                "record expresses, and a ban would record the V - n kept ids at every token"
-            )
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        """OpenAI's shape: token ids as decimal strings, biases in [-100, 100] (recorded per call)."""
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+        for token, bias in v.items():
+            if not (token.isascii() and token.isdigit() and len(token) <= 10):
+                raise ValueError(f"logit_bias keys are token ids, got {token[:20]!r}")
+            if not -100 <= bias <= 100:  # NaN fails too
+                raise ValueError(f"logit_bias values are in [-100, 100], got {bias}")
         return v
 
     @field_validator("temperature")

@@ -11,7 +11,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from fastapi import HTTPException
@@ -132,12 +132,18 @@ class Serving:
             raise ParamError(
                 param, f"this gateway records the top {self.engine.engine.top_logprobs} log-probs"
             )
+        bias = tuple(sorted((int(t), float(b)) for t, b in (req.logit_bias or {}).items()))
+        if bias and "logit_bias" not in self.engine.engine.honours:
+            raise ParamError("logit_bias", "logit_bias is not supported by this gateway's engine yet")
+        if any(t >= vocab for t, _ in bias):
+            raise ParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
         return SamplingParams(
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
             max_tokens=asked or min(self.cfg.default_max_tokens, room),
             seed=req.seed,
+            logit_bias=bias,
         )
 
     def submit(
@@ -186,7 +192,7 @@ class Serving:
                 "support_token_ids": c.support_ids,
                 "extra_token_ids": c.extra_ids,
                 "vocab_size": self.engine.engine.vocab_size,
-                "sampling": {**asdict(params), "seed": seed},
+                "sampling": params.recorded(seed),
                 "finish_reason": c.finish_reason,
                 "messages_json": json.dumps(messages),
                 "created_at": datetime.now(UTC),

@@ -16,6 +16,8 @@ SAMPLING = pa.struct(
         ("top_k", pa.int32()),
         ("max_tokens", pa.int32()),
         ("seed", pa.int64()),
+        # OpenAI's logit_bias: added to the logits before everything else (empty: none)
+        ("logit_bias", pa.list_(pa.struct([("token_id", pa.int32()), ("bias", pa.float32())]))),
     ]
 )
 

@@ -31,6 +31,10 @@ def call_problem(call: dict) -> str | None:
         return f"token id outside [0, {vocab})"
     if not call.get("sampling") or not call["sampling"].get("temperature"):
         return "no sampling temperature > 0: a greedy call has no sampling distribution to train on"
+    for entry in call["sampling"].get("logit_bias") or []:
+        token, bias = entry.get("token_id"), entry.get("bias")
+        if token is None or not 0 <= token < vocab or bias is None or not -100 <= bias <= 100:
+            return f"logit_bias entry {entry} is not a vocabulary id with a bias in [-100, 100]"
     extra = call.get("extra_token_ids") or []
     if extra and len(extra) != len(completion):
         return f"extra samples recorded for {len(extra)} of {len(completion)} positions"

@@ -4,7 +4,8 @@ Only completion positions are projected to the vocabulary, `chunk_tokens` at a t
 largest fp32 tensor is [chunk_tokens, V], never [tokens, V] for the batch. From one log-softmax
 per chunk (at the recorded temperature) it derives pi_S = pi renormalized over the support S the
 engine sampled from (structured-output mask or top-k/top-p set; S = V when unrestricted), the
-distribution every estimator compares with mu (mu is 0 outside S), and gathers, per token:
+distribution every estimator compares with mu (mu is 0 outside S), and gathers, per token (pi is
+the policy as served: at the recorded temperature, with the recorded logit bias added first):
 - `logprobs`: log pi_S(a|h). A forced token (one-token support) gets exactly 0 and no gradient;
 - `head_logprobs` [Ntok, K]: log pi_S of the recorded top-K head H of mu;
 - `tail_logprobs`: log pi_S(S minus H), the mass pi_S puts outside the head, computed in log space by
@@ -43,6 +44,7 @@ class Sequences:
     head_mask: torch.Tensor  # [Ntok, K] True where the head has an entry
     head_deployment_logprobs: torch.Tensor  # [Ntok, K] log mu of the head, -inf where padded
     extra_ids: torch.Tensor  # [Ntok, M] extra tokens sampled by the deployment (M may be 0)
+    bias: list[tuple[list[int], list[float]] | None] | None = None  # per token: its call's logit bias
 
     @property
     def free(self) -> torch.Tensor:  # [Ntok] bool: sampled, not forced
@@ -54,13 +56,15 @@ def build_sequences(calls: list[dict], pad_id: int) -> Sequences:
     width = max(len(c["prompt_token_ids"]) + len(c["completion_token_ids"]) for c in calls)
     ids = torch.full((len(calls), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(calls), width), dtype=torch.long)
-    rows, pos, toks, temps, support, mu, heads, head_lps, extras = [], [], [], [], [], [], [], [], []
+    rows, pos, toks, temps, support, mu, heads, head_lps, extras, biases = ([] for _ in range(10))
     for n, c in enumerate(calls):
         prompt, completion = c["prompt_token_ids"], c["completion_token_ids"]
         seq = list(prompt) + list(completion)
         ids[n, : len(seq)] = torch.tensor(seq)
         mask[n, : len(seq)] = 1
         extra = c.get("extra_token_ids") or [[] for _ in completion]
+        entries = c["sampling"].get("logit_bias")
+        bias = ([e["token_id"] for e in entries], [e["bias"] for e in entries]) if entries else None
         for t, tok in enumerate(completion):
             rows.append(n)
             pos.append(len(prompt) + t - 1)
@@ -71,6 +75,7 @@ def build_sequences(calls: list[dict], pad_id: int) -> Sequences:
             heads.append(c["topk_token_ids"][t])
             head_lps.append(c["topk_logprobs"][t])
             extras.append(extra[t])
+            biases.append(bias)
     k = max(len(h) for h in heads)
     m = min(len(e) for e in extras)
     if m != max(len(e) for e in extras):
@@ -95,6 +100,7 @@ def build_sequences(calls: list[dict], pad_id: int) -> Sequences:
         head_mask,
         head_mu,
         torch.tensor(extras, dtype=torch.long).reshape(len(toks), m),
+        biases if any(b is not None for b in biases) else None,
     )
 
 
@@ -150,6 +156,7 @@ def project_logprobs(
             seqs.head_mask[sl],
             seqs.extra_ids[sl],
             _support_mask(seqs.support[sl], vocab),
+            _bias_matrix(seqs.bias[sl], vocab) if seqs.bias is not None else None,
         )
         if torch.is_grad_enabled():
             outs.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
@@ -167,8 +174,12 @@ def _chunk_logprobs(
     head_mask: torch.Tensor,  # [c, K]
     extra_ids: torch.Tensor,  # [c, M]
     keep: torch.Tensor | None,  # [c, V] support mask, None = whole vocabulary
+    bias: torch.Tensor | None,  # [c, V] logit bias, None = none
 ) -> tuple[torch.Tensor, ...]:
-    logp = ((h @ weight.T) / temperature[:, None]).log_softmax(-1)  # [c, V]
+    logits = h @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    logp = (logits / temperature[:, None]).log_softmax(-1)  # [c, V]
     full = logp.gather(1, token_ids[:, None]).squeeze(1)  # [c]
     if keep is None:
         kept, lp = logp, full
@@ -188,6 +199,16 @@ def _chunk_logprobs(
         entropy = -(p * kept.masked_fill(p == 0, 0.0)).sum(-1)
         complement = kept.scatter(1, token_ids[:, None], float("-inf")).logsumexp(-1)
     return lp, kept.gather(1, head_ids), tail, kept.gather(1, extra_ids), complement, full, entropy
+
+
+def _bias_matrix(bias: list[tuple[list[int], list[float]] | None], vocab: int) -> torch.Tensor | None:
+    if all(b is None for b in bias):
+        return None
+    dense = torch.zeros((len(bias), vocab))
+    for i, b in enumerate(bias):
+        if b is not None:
+            dense[i, b[0]] = torch.tensor(b[1])
+    return dense
 
 
 def _support_mask(support: list[list[int] | None], vocab: int) -> torch.Tensor | None:  # [c, V]

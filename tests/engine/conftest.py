@@ -11,6 +11,8 @@ def _reference_distribution(model, ids: list[int], params: SamplingParams, allow
     written out step by step in float64."""
     with torch.no_grad():
         z = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+    for token, bias in params.logit_bias:
+        z[token] += bias
     if allowed is not None:
         keep = torch.zeros_like(z, dtype=torch.bool)
         keep[allowed] = True
@@ -21,7 +23,8 @@ def _reference_distribution(model, ids: list[int], params: SamplingParams, allow
     kept = order[:n][torch.isfinite(z[order[:n]])]
     p = torch.softmax(z[kept], 0)
     cum_before = torch.cumsum(p, 0) - p
-    kept = kept[cum_before < params.top_p]
+    if params.top_p < 1:  # top_p = 1 keeps everything, however the sums round
+        kept = kept[cum_before < params.top_p]
     logp = torch.full_like(z, -math.inf)
     logp[kept] = torch.log_softmax(z[kept], 0)
     return logp

@@ -20,7 +20,7 @@ def brute_force(logits: list[float], temperature: float, top_k: int, top_p: floa
     norm = math.log(sum(math.exp(z[i]) for i in order))
     kept, mass = [], 0.0
     for i in order:
-        if mass >= top_p:
+        if top_p < 1 and mass >= top_p:  # top_p = 1: no cut (vLLM skips it)
             break
         kept.append(i)
         mass += math.exp(z[i] - norm)
@@ -58,7 +58,33 @@ def test_matches_brute_force_on_tiny_vocab(temperature, top_k, top_p, mask):
             assert got[i] == pytest.approx(expected[i], abs=1e-5)
 
 
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (0, 0.9), (5, 1.0)])
+def test_logit_bias_comes_first_and_top_p_1_keeps_a_near_certain_row_whole(top_k, top_p):
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 16, generator=g)
+    bias = torch.zeros(2, 16)
+    bias[0, 3], bias[0, 5], bias[1, 7] = 60.0, -100.0, 2.5  # row 0: token 3 is near certain in fp32
+    out = processed_logprobs(
+        logits, torch.full((2,), 0.8), torch.full((2,), top_k), torch.full((2,), top_p), bias=bias
+    )
+    for row in range(2):
+        expected = brute_force((logits[row] + bias[row]).tolist(), 0.8, top_k, top_p, None)
+        got = {i: float(out[row, i]) for i in range(16) if math.isfinite(out[row, i])}
+        assert got.keys() == expected.keys()
+        assert all(got[i] == pytest.approx(expected[i], abs=1e-4) for i in got)
+    if (top_k, top_p) == (0, 1.0):
+        assert torch.isfinite(out[0]).all()  # p(3) rounds to 1 in fp32, yet nothing is cut
+
+
 def test_bad_sampling_params_are_refused():
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}, {"max_tokens": 0}):
+    for bad in (
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -2},
+        {"max_tokens": 0},
+        {"logit_bias": ((3, 101.0),)},
+        {"logit_bias": ((-1, 1.0),)},
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)

@@ -7,6 +7,9 @@ from prodrl_pipeline.envs.chat import render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
 
+# move tokens (ids from 1024) pushed up or banned, ordinary ones pushed up: a bias that matters
+BIAS = tuple((i, 4.0) for i in range(1024, 1224)) + ((1300, -100.0), (200, 6.0), (201, 50.0))
+
 
 @pytest.mark.parametrize(
     "params,constrained",
@@ -15,6 +18,8 @@ from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
         (SamplingParams(temperature=0.8, top_k=30, max_tokens=6), False),
         (SamplingParams(temperature=1.2, top_p=0.6, max_tokens=6), False),
         (SamplingParams(temperature=1.0, max_tokens=64), True),
+        (SamplingParams(temperature=0.9, top_k=50, max_tokens=64, logit_bias=BIAS), True),
+        (SamplingParams(temperature=1.0, max_tokens=6, logit_bias=BIAS), False),
     ],
 )
 def test_recorded_logprobs_are_the_processed_distribution(

@@ -196,7 +196,9 @@ BAD = [
         400,
         "frequency_penalty",
     ),
-    ("logit_bias", CHAT, {"messages": [USER], "logit_bias": {"5": -100}}, SERVE, 400, "logit_bias"),
+    ("logit_bias over 100", CHAT, {"messages": [USER], "logit_bias": {"5": -101}}, SERVE, 400, "logit_bias"),
+    ("logit_bias key", CHAT, {"messages": [USER], "logit_bias": {"five": 1}}, SERVE, 400, "logit_bias"),
+    ("logit_bias id", CHAT, {"messages": [USER], "logit_bias": {"99999": 1}}, SERVE, 400, "logit_bias"),
     ("tiny temperature", CHAT, {"messages": [USER], "temperature": 1e-45}, SERVE, 400, "temperature"),
     ("long stop", CHAT, {"messages": [USER], "stop": ["x" * 129]}, SERVE, 400, "stop"),
     (
@@ -505,6 +507,10 @@ def test_openai_parameters_are_honoured_and_recorded(gateway, tokenizer, heldout
         and played in moves
         and acted.choices[0].finish_reason == "tool_calls"
     )
+    # logit_bias: a token pushed to near certainty is what is sampled, and the bias is recorded
+    boosted = tokenizer.convert_tokens_to_ids("Nf3")
+    biased = chat(model="live", messages=user, max_tokens=3, logit_bias={str(boosted): 100})
+    assert biased.model_extra["prodrl"]["token_ids"] == [boosted] * 3
     # tool_choice none: the tools stay in the prompt, the reply is text (as vLLM does)
     plain = chat(model="live", messages=episode.messages, tools=[tool], tool_choice="none", max_tokens=12)
     assert not plain.choices[0].message.tool_calls
@@ -523,6 +529,9 @@ def test_openai_parameters_are_honoured_and_recorded(gateway, tokenizer, heldout
         stopped["completion_token_ids"]
         == a.model_extra["prodrl"]["token_ids"][: len(stopped["completion_token_ids"])]
     )
+    assert landed[biased.model_extra["prodrl"]["call_id"]]["sampling"]["logit_bias"] == [
+        {"token_id": boosted, "bias": 100.0}
+    ]
     acted_record = landed[acted.model_extra["prodrl"]["call_id"]]
     assert acted_record["completion_token_ids"] == list(tool_call_ids(tokenizer, "move", "move", played))
     assert all(size <= len(moves) for size in acted_record["support_size"])  # only legal moves were kept

@@ -63,6 +63,11 @@ BAD = {
     "support id >= vocab": _call("b13", support_token_ids=[[4, 6, 99], []]),
     "repeated head id": _call("b14", topk_token_ids=[[4, 4], [5]], topk_logprobs=[[-0.9, -0.9], [0.0]]),
     "repeated support id": _call("b15", support_token_ids=[[4, 6, 6], []]),
+    "bias id >= vocab": _call(
+        "b16",
+        sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "seed": 0}
+        | {"logit_bias": [{"token_id": 10, "bias": 1.0}]},
+    ),
 }
 
 

@@ -63,3 +63,29 @@ def test_support_renormalizes_and_forced_tokens_carry_no_gradient(tiny_model, re
     assert torch.all(got.logprobs[seqs.free] > got.full_logprobs[seqs.free])  # the support's mass < 1
     grad = torch.autograd.grad(got.logprobs[forced].sum(), tiny_model.lm_head.weight, allow_unused=True)[0]
     assert grad is None or torch.count_nonzero(grad) == 0
+
+
+def test_the_trainer_evaluates_pi_as_served_with_the_recorded_logit_bias(
+    tiny_model, tokenizer, train_puzzles, tmp_path
+):
+    """On-policy identity: the trainer's pi_S at the recorded temperature and bias is mu exactly."""
+    from prodrl_pipeline.engine.processing import SamplingParams
+    from tests.rl.conftest import record
+
+    bias = tuple((i, 3.0) for i in range(1024, 1324)) + ((1400, -100.0),)  # move tokens pushed up
+    params = SamplingParams(temperature=0.9, logit_bias=bias)
+    calls = record(tiny_model, tokenizer, train_puzzles[:4], tmp_path, params=params).calls
+    assert calls[0]["sampling"]["logit_bias"][0] == {"token_id": 1024, "bias": 3.0}
+    with torch.no_grad():
+        served = token_logprobs(tiny_model, build_sequences(calls, tokenizer.pad_token_id))
+        unbiased = [{**c, "sampling": {**c["sampling"], "logit_bias": []}} for c in calls]
+        ignored = token_logprobs(tiny_model, build_sequences(unbiased, tokenizer.pad_token_id))
+    seqs = build_sequences(calls, tokenizer.pad_token_id)
+    free = seqs.free
+    torch.testing.assert_close(served.logprobs[free], seqs.deployment_logprobs[free], rtol=0, atol=2e-5)
+    head = seqs.head_mask
+    torch.testing.assert_close(
+        served.head_logprobs[head], seqs.head_deployment_logprobs[head], rtol=0, atol=2e-5
+    )
+    gap = (ignored.logprobs[free] - seqs.deployment_logprobs[free]).abs().max()
+    assert gap > 0.1  # dropping the bias would train against a distribution nobody served
