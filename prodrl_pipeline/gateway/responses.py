@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -79,6 +80,34 @@ class IncrementalText:
         self._prefix, self._read = self._read, len(self.ids)
 
 
+class TokenFeed:
+    """Items from the engine thread to one stream on the event loop, with one loop wake-up per
+    burst: tokens that arrive before the loop gets to the stream are taken together (one SSE
+    chunk), so a busy loop sends fewer, larger chunks instead of falling behind."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.ready = loop, deque(), asyncio.Event()
+        self.scheduled = False
+
+    def put(self, item: object) -> None:
+        """From any thread (RuntimeError once the loop is closed)."""
+        self.items.append(item)  # before the flag is read: an item is never left unannounced
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self.scheduled = False  # before the items are taken (see put)
+        self.ready.set()
+
+    async def take(self) -> list:
+        """Every item put so far (waiting for one if there is none)."""
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return [self.items.popleft() for _ in range(len(self.items))]
+
+
 @dataclass
 class Ending:
     """What a streamed chat call ends with, once its completion is done (and recorded)."""
@@ -96,19 +125,19 @@ async def chat_stream(
     call_id: str,
     created: int,
     head: dict,
-    tokens: asyncio.Queue,
+    tokens: TokenFeed,
     end: Callable[[], Ending],
     abandon: Callable[[], None],
     stops: Sequence[str] | None = None,
     tool_open: int | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events of a chat completion as its tokens arrive (`tokens`: (n, id) for the
-    n-th completion token, then None; a repeated n is ignored). Content deltas follow the decoded
-    text up to a stop string, holding back what may still become one; from the `tool_open` token
-    on, text waits for the end. `end()` gives the final message (and fills `head`'s token ids);
-    what it adds to the streamed text, the tool calls, the finish reason and the usage follow,
-    then [DONE]. A stream closed early (the client left) calls `abandon()`; an engine error ends
-    the stream with an error event."""
+    n-th completion token, then None; a repeated n is ignored; the tokens taken together make one
+    chunk). Content deltas follow the decoded text up to a stop string, holding back what may still
+    become one; from the `tool_open` token on, text waits for the end. `end()` gives the final
+    message (and fills `head`'s token ids); what it adds to the streamed text, the tool calls, the
+    finish reason and the usage follow, then [DONE]. A stream closed early (the client left) calls
+    `abandon()`; an engine error ends the stream with an error event."""
 
     def chunk(delta: dict | None, finish_reason: str | None = None, **extra) -> str:
         body = {
@@ -123,18 +152,21 @@ async def chat_stream(
     hold = max((len(s) for s in stops or ()), default=1) - 1
     try:
         yield chunk({"role": "assistant", "content": ""}, prodrl=head)
-        text, seen, shown, quiet = IncrementalText(tokenizer), 0, "", False
-        while (item := await tokens.get()) is not None:
-            n, token = item
-            if n <= seen:
-                continue
-            seen = n
-            quiet = quiet or token == tool_open  # a tool call is sent whole at the end
-            if quiet or token == tokenizer.eos_token_id:
-                continue
-            text.add(token)
-            cut = cut_at_stop(text.text, stops)
-            quiet = len(cut) < len(text.text)  # a stop string: nothing after it is shown
+        text, seen, shown, quiet, over = IncrementalText(tokenizer), 0, "", False, False
+        while not over:
+            for item in await tokens.take():
+                if item is None:
+                    over = True
+                    break
+                n, token = item
+                if n <= seen:
+                    continue
+                seen = n
+                quiet = quiet or token == tool_open  # a tool call is sent whole at the end
+                if not quiet and token != tokenizer.eos_token_id:
+                    text.add(token)
+            cut = cut_at_stop(text.text, stops)  # text only grows: a stop string stays found
+            quiet = quiet or len(cut) < len(text.text)  # after a stop string nothing is shown
             target = cut if quiet else text.text[: len(text.text) - hold]
             if target.startswith(shown) and len(target) > len(shown):
                 yield chunk({"content": target[len(shown) :]})

@@ -5,6 +5,7 @@ record in the landing log, and the body of a streamed chat call."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import threading
@@ -27,7 +28,7 @@ from prodrl_pipeline.envs.tool_choice import required_tool_call
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.protocol import ChatRequest, ParamError, SamplingFields
-from prodrl_pipeline.gateway.responses import Ending, chat_stream, stop_at, usage
+from prodrl_pipeline.gateway.responses import Ending, TokenFeed, chat_stream, stop_at, usage
 from prodrl_pipeline.gateway.sessions import EXPIRED_TABLE, SessionIndex
 
 TRAJECTORY_HEADER, CALL_HEADER = "X-Prodrl-Trajectory-Id", "X-Prodrl-Call-Id"
@@ -233,14 +234,13 @@ class Serving:
         without per-token callbacks streams its finished completion); the call is recorded when
         its completion is done, before the last chunks; a client that leaves ends the generation
         at the next token and nothing is recorded."""
-        loop = asyncio.get_running_loop()
-        tokens: asyncio.Queue = asyncio.Queue()
+        tokens = TokenFeed(asyncio.get_running_loop())
         gone = threading.Event()
         live = "on_token" in self.engine.engine.honours
 
         def observe(ids_so_far: list[int]) -> bool:
             try:
-                loop.call_soon_threadsafe(tokens.put_nowait, (len(ids_so_far), ids_so_far[-1]))
+                tokens.put((len(ids_so_far), ids_so_far[-1]))
             except RuntimeError:  # the event loop is gone (shutdown): end the generation
                 return True
             return gone.is_set()
@@ -249,9 +249,10 @@ class Serving:
 
         def finished(f: Future) -> None:
             done = [] if live or f.cancelled() or f.exception() else f.result()[0].token_ids
-            for n, t in enumerate(done, 1):
-                loop.call_soon_threadsafe(tokens.put_nowait, (n, t))
-            loop.call_soon_threadsafe(tokens.put_nowait, None)
+            with contextlib.suppress(RuntimeError):  # a closed loop has no stream left to feed
+                for n, t in enumerate(done, 1):
+                    tokens.put((n, t))
+                tokens.put(None)
 
         future.add_done_callback(finished)
 
