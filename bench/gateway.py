@@ -4,8 +4,9 @@ One lab-size NVFP4 deployment is served three ways, in alternating bursts of the
 requests: the embedded engine alone in this process (the same continuous batching, no HTTP), a
 gateway process recording, and one with `--no-record`. Each burst sends every request at once
 through `concurrency` streaming clients; throughput is completion tokens per second per burst
-(median over bursts), time to first token (TTFT) and latency are per request, and a prober hits
-/healthz every 50 ms during the gateway bursts.
+(median over bursts), time to first token (TTFT) and latency are per request, and a prober in its
+own process hits /healthz every 50 ms during the gateway bursts. The clients share the 2 cores with
+the gateway (their CPU counts against it; the engine alone has none).
 
 Goals: gateway (recording) / engine alone >= 0.8; recording on / off >= 0.97; /healthz p99
 < 100 ms. Run: `.venv/bin/python -m bench.gateway` (about 3 minutes on 2 cores).
@@ -17,8 +18,11 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import wait
 from pathlib import Path
 
@@ -34,10 +38,41 @@ from prodrl_pipeline.gateway.process import GatewayProcess, live_root
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 
+PROBE = """
+import sys, time, httpx
+lat = []
+with httpx.Client(timeout=60) as client:
+    while not sys.stdin.readline().startswith("stop"):  # one probe per line the bench sends
+        t0 = time.perf_counter()
+        client.get(sys.argv[1] + "/healthz").raise_for_status()
+        lat.append(time.perf_counter() - t0)
+        print(len(lat), flush=True)
+print(" ".join(map(str, lat)), flush=True)
+"""
+
+
+class _Prober:
+    """/healthz from another process, as a load balancer would probe it (a prober sharing the
+    load's event loop measures that loop's lag instead), every 50 ms while the load runs."""
+
+    def __init__(self, url: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PROBE, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    async def run(self, running: Callable[[], bool]) -> list[float]:
+        while running():
+            self.proc.stdin.write("probe\n")
+            self.proc.stdin.flush()
+            await asyncio.to_thread(self.proc.stdout.readline)  # the probe's answer
+            await asyncio.sleep(0.05)  # the probe's period, not a synchronisation
+        out, _ = self.proc.communicate("stop\n")
+        return [float(x) for x in out.split()]
+
 
 async def _burst(url: str, bodies: list[dict], concurrency: int) -> dict:
     """Every body as a streamed chat call; tokens/s, TTFTs, latencies, /healthz latencies."""
-    ttft, latency, health, tokens = [], [], [], 0
+    ttft, latency, tokens = [], [], 0
     queue, running = list(bodies), True
 
     async def worker(client: httpx.AsyncClient) -> None:
@@ -47,8 +82,8 @@ async def _burst(url: str, bodies: list[dict], concurrency: int) -> dict:
             t0, first = time.perf_counter(), None
             async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
                 r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
+                async for line in r.aiter_lines():  # parsed only while needed: the client is cheap
+                    if not line.startswith("data: {") or (first is not None and '"usage"' not in line):
                         continue
                     chunk = json.loads(line[6:])
                     delta = chunk["choices"][0]["delta"] if chunk["choices"] else {}
@@ -59,21 +94,14 @@ async def _burst(url: str, bodies: list[dict], concurrency: int) -> dict:
             latency.append(time.perf_counter() - t0)
             ttft.append(first if first is not None else latency[-1])
 
-    async def prober(client: httpx.AsyncClient) -> None:
-        while running:
-            t0 = time.perf_counter()
-            (await client.get(f"{url}/healthz")).raise_for_status()
-            health.append(time.perf_counter() - t0)
-            await asyncio.sleep(0.05)  # the probe's period, not a synchronisation
-
-    limits = httpx.Limits(max_connections=concurrency + 1)
+    limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=300) as client:
-        probe = asyncio.create_task(prober(client))
+        probe = asyncio.create_task(_Prober(url).run(lambda: running))
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
         running = False
-        await probe
+        health = await probe
     return {"rate": tokens / elapsed, "ttft": ttft, "latency": latency, "health": health}
 
 

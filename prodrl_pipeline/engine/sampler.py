@@ -1,11 +1,12 @@
 """The embedded deployment engine: batched sampling with a KV cache, recording like vLLM.
 
 For every position of every completion it records what the data contract (docs/tables.md) asks:
-the sampled id, its log-prob under the processed distribution mu (after the structured-output
-mask, temperature, top-k, top-p), the top-K head of mu (forced tokens: one entry, log-prob 0),
-the kept support when sampling was restricted (`support_size` tokens were kept; if that is more
-than the head holds and less than the vocabulary, `support_ids` lists them all), and optionally
-M extra tokens drawn from the same mu in the same multinomial call (score centering's samples form).
+the sampled id, its log-prob under the processed distribution mu (after the logit bias, the
+structured-output mask, temperature, top-k, top-p), the top-K head of mu (forced tokens: one
+entry, log-prob 0), the kept support when sampling was restricted (`support_size` tokens were
+kept; if that is more than the head holds and less than the vocabulary, `support_ids` lists them
+all), and optionally M extra tokens drawn from the same mu at the same time (score centering's
+samples form).
 """
 
 from __future__ import annotations
@@ -197,15 +198,16 @@ class Decoder:
                 b.done[i], b.errors[i] = True, ValueError("the model's next-token distribution is not finite")
             probs[i] = 0.0
             probs[i, self.engine.pad_id] = 1.0  # a placeholder draw, never recorded
-        draws = torch.multinomial(probs, 1 + extra, replacement=True, generator=self.gen)
+        uniform = torch.rand((len(self), 1 + extra), generator=self.gen, dtype=torch.float64)
         for i, g in enumerate(self.own):  # a one-token support is forced, not drawn: no draw used
             if g is not None and not b.done[i] and int((probs[i] > 0).sum()) > 1:
-                draws[i] = torch.multinomial(probs[i], 1 + extra, replacement=True, generator=g)
+                uniform[i] = torch.rand(1 + extra, generator=g, dtype=torch.float64)
+        draws = draw(probs, uniform)
         sampled = draws[:, 0]  # [N]
         was_done = list(b.done)
-        b.record_sampled(logp, sampled, draws[:, 1:])
+        toks = b.record_sampled(logp, sampled, draws[:, 1:])
         forced = b.force_common()
-        new = [[int(sampled[i]), *forced[i]] for i in range(len(self))]
+        new = [[toks[i], *forced[i]] for i in range(len(self))]
         width = len(new[0])
         pad = self.engine.pad_id
         self.pending = torch.tensor(
@@ -250,6 +252,15 @@ class Decoder:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
         return out
+
+
+def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Samples of each row of `probs` [N, V] (unnormalized, >= 0) by inverting its CDF at the
+    `uniform` [N, S] draws in [0, 1): token j is drawn with probability probs[j] / sum(probs),
+    a zero-probability token never. One uniform per sample instead of one random number per
+    vocabulary entry (as torch.multinomial draws)."""
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
 
 
 def _bias(params: SamplingParams, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -320,27 +331,25 @@ class _Batch:
                     self.fail(i, e)
         return allowed
 
-    def record_sampled(self, logp: torch.Tensor, sampled: torch.Tensor, extra: torch.Tensor) -> None:
+    def record_sampled(self, logp: torch.Tensor, sampled: torch.Tensor, extra: torch.Tensor) -> list[int]:
+        """Append each live row's sampled token with its record; the sampled ids as a list. The
+        batch's tensors become lists in a few calls (not a few per row): a busy gateway's engine
+        thread re-takes the GIL after every torch call."""
         k = min(self.top_logprobs, self.vocab_size)
         head_lp, head_ids = logp.topk(k, dim=-1)  # [N, K]
-        kept = torch.isfinite(logp).sum(-1)  # [N]
-        for i in range(len(self.out)):
+        finite = torch.isfinite(logp)
+        kept = finite.sum(-1).tolist()
+        toks = sampled.tolist()
+        lps = logp.gather(1, sampled[:, None]).squeeze(1).tolist()
+        heads, head_lps, extras = head_ids.tolist(), head_lp.tolist(), extra.tolist()
+        for i, (tok, size) in enumerate(zip(toks, kept, strict=True)):
             if self.done[i]:
                 continue
-            tok, size = int(sampled[i]), int(kept[i])
             n_head = min(k, size)
             stored = n_head < size < self.vocab_size
-            support = torch.isfinite(logp[i]).nonzero().squeeze(1).tolist() if stored else []
-            self.append(
-                i,
-                tok,
-                float(logp[i, tok]),
-                head_ids[i, :n_head].tolist(),
-                head_lp[i, :n_head].tolist(),
-                size,
-                support,
-                extra[i].tolist(),
-            )
+            support = finite[i].nonzero().squeeze(1).tolist() if stored else []
+            self.append(i, tok, lps[i], heads[i][:n_head], head_lps[i][:n_head], size, support, extras[i])
+        return toks
 
     def force_common(self) -> list[list[int]]:
         """Append to every unfinished row the same number m of forced tokens (m = the shortest

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import Request, TorchEngine
+from prodrl_pipeline.engine.sampler import Request, TorchEngine, draw
 from prodrl_pipeline.envs.chat import render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
@@ -161,3 +161,16 @@ def test_requests_admitted_between_steps_decode_as_they_would_alone(tiny_model, 
         out = finished[id(r)][0]
         assert out.token_ids == alone[id(r)].token_ids
         assert out.logprobs == pytest.approx(alone[id(r)].logprobs, abs=1e-5)
+
+
+def test_draw_inverts_each_rows_cdf_exactly():
+    """On an even grid of n uniforms each token is drawn n * p(token) times (up to one), a
+    zero-probability token never, whatever the row's scale."""
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [3.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    n = 1000
+    grid = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).expand(2, n)
+    counts = torch.stack([torch.bincount(row, minlength=6) for row in draw(probs, grid)])
+    expected = n * probs / probs.sum(-1, keepdim=True)
+    assert (counts - expected).abs().max() <= 1
+    assert draw(probs, torch.zeros((2, 1), dtype=torch.float64)).flatten().tolist() == [1, 0]
+    assert draw(probs, torch.full((2, 1), 1 - 2**-53, dtype=torch.float64)).flatten().tolist() == [4, 5]
