@@ -2,9 +2,11 @@
 
 from datetime import UTC, datetime
 
+import pyarrow as pa
 import pytest
 
-from prodrl_pipeline.gateway.landing import LandingLog
+from prodrl_pipeline.gateway.landing import HELD_SEGMENTS, LandingLog
+from prodrl_pipeline.records.schema import TABLES
 from prodrl_pipeline.records.store import DeltaStore
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
@@ -100,3 +102,24 @@ def test_with_fsync_each_record_and_each_new_segment_s_directory_entry_reach_the
     assert synced == [True, False]  # the record itself
     log.stop()
     assert True in synced[2:]  # the segment opened when the first was sealed
+
+
+def test_a_backlog_beyond_the_held_segments_is_read_back_and_lands_exactly_as_appended(tmp_path):
+    """Segments whose rows are held in memory and segments read back from the spool (a backlog
+    while Delta refuses commits) land the same rows, once each."""
+    store = DeltaStore(tmp_path / "tables")
+    log = LandingLog(store, tmp_path / "spool", flush_records=1, flush_seconds=0.05, max_pending=100)
+    log.start()
+    blocker = tmp_path / "tables" / "landing_calls"
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("not a Delta table: commits fail until this file goes")
+    calls = [
+        {**_call(i), "sampling": {**_call(i)["sampling"], "logit_bias": [{"token_id": i, "bias": -1.5}]}}
+        for i in range(HELD_SEGMENTS + 3)
+    ]
+    for call in calls:
+        log.append("call", call)
+    blocker.unlink()
+    log.stop()
+    landed = sorted(store.read("landing_calls").to_pylist(), key=lambda r: r["call_id"])
+    assert landed == pa.Table.from_pylist(calls, schema=TABLES["landing_calls"]).to_pylist()
