@@ -18,6 +18,11 @@ from typing import Protocol
 import torch
 
 
+class ConstraintError(ValueError):
+    """The request's constraint cannot go on (e.g. a grammar parser hit its limits): the request's
+    fault, reported to it alone."""
+
+
 class ConstraintState(Protocol):
     def allow(self, row: torch.Tensor) -> None:
         """Set `row` (a [V] bool tensor, all False) True at every id allowed next."""

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import weakref
+from functools import lru_cache
 
 import llguidance
 import llguidance.hf
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
+
+from prodrl_pipeline.engine.constraints import ConstraintError
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 MAX_FORCED = 256  # a forced chain longer than this is sampled on (one-token supports) instead
@@ -37,23 +40,39 @@ class GrammarConstraint:
         self.eos_id, self.n_vocab = eos_id, len(tokenizer)
         self.fresh = llguidance.LLMatcher(_ll_tokenizer(tokenizer, eos_id), grammar, log_level=0)
         if self.fresh.is_error():  # compiled once here; each completion starts from a copy
-            raise ValueError(f"the grammar cannot be enforced: {self.fresh.get_error()}")
+            raise ValueError(f"the grammar cannot be enforced: {_short(self.fresh.get_error())}")
+        try:
+            first = self.start().allowed()
+        except ConstraintError as e:
+            raise ValueError(f"the grammar cannot be enforced: {e}") from e
+        if not set(first) - {eos_id}:
+            raise ValueError("the grammar admits no text (nothing but the end of the turn can follow)")
 
     @classmethod
     def json(
         cls, tokenizer: PreTrainedTokenizerBase, eos_id: int, schema: dict | None = None
     ) -> GrammarConstraint:
-        """JSON text matching `schema`; None: any JSON object (OpenAI's `json_object`)."""
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps({"type": "object"} if schema is None else schema)
-            )
-        except ValueError as e:
-            raise ValueError(f"the JSON schema cannot be enforced: {e}") from e
-        return cls(tokenizer, grammar, eos_id)
+        """JSON text matching `schema`; None: any JSON object (OpenAI's `json_object`). Compiled
+        schemas are cached (a client repeats its schema on every call)."""
+        text = json.dumps({"type": "object"} if schema is None else schema, sort_keys=True)
+        return _json_constraint(tokenizer, eos_id, text)
 
     def start(self) -> GrammarState:
         return GrammarState(self.fresh.deep_copy(), self.eos_id, self.n_vocab)
+
+
+@lru_cache(maxsize=64)
+def _json_constraint(tokenizer: PreTrainedTokenizerBase, eos_id: int, schema: str) -> GrammarConstraint:
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    except ValueError as e:
+        raise ValueError(f"the JSON schema cannot be enforced: {_short(str(e))}") from e
+    return GrammarConstraint(tokenizer, grammar, eos_id)
+
+
+def _short(error: str) -> str:
+    """llguidance's error without the grammar dump it may append: its first line, bounded."""
+    return error.strip().splitlines()[0][:300] if error.strip() else "unknown error"
 
 
 class GrammarState:
@@ -67,7 +86,7 @@ class GrammarState:
     @staticmethod
     def _allowed(matcher: llguidance.LLMatcher, n_vocab: int) -> np.ndarray:  # [n_vocab] bool
         if matcher.is_error():
-            raise ValueError(f"the grammar matcher failed: {matcher.get_error()}")
+            raise ConstraintError(f"the grammar could not go on: {_short(matcher.get_error())}")
         words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
         return np.unpackbits(words, bitorder="little")[:n_vocab].astype(bool)
 
@@ -89,7 +108,7 @@ class GrammarState:
         if token == self.eos_id:
             self.ended = True
         elif not self.matcher.consume_token(token):
-            raise ValueError(f"the grammar matcher failed: {self.matcher.get_error()}")
+            raise ConstraintError(f"the grammar could not go on: {_short(self.matcher.get_error())}")
 
     def forced(self) -> list[int]:
         mask = self.mask()

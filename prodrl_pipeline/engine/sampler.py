@@ -116,6 +116,7 @@ class Decoder:
         steps only: the live rows' pending ids are fed first, so every row is at "logits ready"."""
         if not requests:
             return
+        biases = [_bias(r.params, self.engine.vocab_size) for r in requests]  # checked before any change
         if len(self):
             self._forward()
         new = _Batch(requests, *self.rows.config())
@@ -135,10 +136,10 @@ class Decoder:
             use_cache=True,
             logits_to_keep=1,
         )
-        self._join(new, result.cache, mask, result.logits[:, -1, :], requests)
+        self._join(new, result.cache, mask, result.logits[:, -1, :], requests, biases)
 
     def _join(
-        self, new: _Batch, cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor, requests
+        self, new: _Batch, cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor, requests, biases
     ) -> None:  # noqa: ANN001
         if self.cache is None or not len(self):
             self.cache, self.mask, self.logits = cache, mask, logits
@@ -161,7 +162,7 @@ class Decoder:
         )
         self.top_k = torch.cat([self.top_k, torch.tensor([r.params.top_k for r in requests])])
         self.top_p = torch.cat([self.top_p, torch.tensor([r.params.top_p for r in requests])])
-        self.bias += [_bias(r.params, self.engine.vocab_size) for r in requests]
+        self.bias += biases
         self.pending = torch.zeros((len(self), 0), dtype=torch.long)
         self.fed = torch.zeros((len(self), 0), dtype=torch.long)
 

@@ -61,8 +61,10 @@ class VLLMEngine:
         return list(self.pool.map(lambda r: self._one(r, seed), requests))
 
     def _one(self, req: Request, seed: int | None) -> Completion:
-        if req.constraint is not None or req.on_token is not None:
-            raise NotImplementedError("constraints and per-token callbacks through vLLM are not wired yet")
+        if req.constraint is not None or req.on_token is not None or req.params.logit_bias:
+            raise NotImplementedError(
+                "constraints, per-token callbacks and logit_bias through vLLM are not wired yet"
+            )
         p, k = req.params, self.top_logprobs
         greedy = p.temperature == 0
         restricted = greedy or p.top_p < 1 or 0 < p.top_k < self.vocab_size

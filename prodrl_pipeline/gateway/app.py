@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
+from prodrl_pipeline.engine.constraints import ConstraintError
 from prodrl_pipeline.engine.sampler import Completion
 from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
 from prodrl_pipeline.gateway.batcher import BatchingEngine
@@ -154,6 +155,7 @@ def create_app(
             raise ParamError("messages", f"messages do not render with the chat template: {e}") from e
         params = serving.sampling(prompt_ids, req, "messages")
         constraint = await serving.constraint(req)
+        json_reply = req.response_format is not None and req.response_format.type != "text"
         headers = {TRAJECTORY_HEADER: tid, CALL_HEADER: call_id}
         ids = {"trajectory_id": tid, "call_id": call_id, "prompt_token_ids": prompt_ids}
         created = int(time.time())
@@ -162,7 +164,7 @@ def create_app(
             """The assistant message, finish reason and logprobs of a finished completion."""
             text = text_of(tokenizer, c)
             text = cut_at_stop(text, req.stop) if c.finish_reason == "stop" else text
-            if req.tool_choice == "none":  # as vLLM: the reply is text, tool-call markup included
+            if req.tool_choice == "none" or json_reply:  # the text as it is, tool-call markup included
                 message = {"role": "assistant", "content": text}
             else:
                 message = parse_assistant_text(text, call_id_prefix=f"call_{call_id[:12]}")
@@ -181,7 +183,10 @@ def create_app(
                 media_type="text/event-stream",
                 headers=headers,
             )
-        c, seed = await asyncio.wrap_future(serving.submit(prompt_ids, params, req.stop, constraint))
+        try:
+            c, seed = await asyncio.wrap_future(serving.submit(prompt_ids, params, req.stop, constraint))
+        except ConstraintError as e:  # the request's grammar failed mid-way: nothing was recorded
+            raise ParamError("response_format", str(e)) from e
         message, finish, logprobs = reply(c)
         metrics.counts["chat"] += 1
         ids["token_ids"] = c.token_ids

@@ -118,6 +118,7 @@ class LandingLog:
             self._seal()
             self._file.close()
             Path(self._file.name).unlink()  # the fresh segment _seal opened holds nothing
+            self._rows.pop(self._seq, None)
             self._cond.notify_all()
         self._thread.join()
         self._commit_sealed()
@@ -140,12 +141,16 @@ class LandingLog:
         with self._cond:
             if not self._running:
                 raise RuntimeError("landing log is stopped")
-            self._file.write(line + "\n")
-            if self._seq in self._rows or len(self._rows) < HELD_SEGMENTS:  # else read back at commit
-                self._rows.setdefault(self._seq, defaultdict(list))[TABLE_OF[kind]].append(row)
-            self._file.flush()  # in the OS page cache: survives a killed process
-            if self.fsync:
-                os.fsync(self._file.fileno())  # survives a lost machine too
+            try:
+                self._file.write(line + "\n")
+                self._file.flush()  # in the OS page cache: survives a killed process
+                if self.fsync:
+                    os.fsync(self._file.fileno())  # survives a lost machine too
+            except BaseException:
+                self._rows.pop(self._seq, None)  # the file alone says what this segment holds
+                raise
+            if (held := self._rows.get(self._seq)) is not None:
+                held[TABLE_OF[kind]].append(row)
             self._open_count += 1
             self._pending += 1
             if self._open_count >= self.flush_records:
@@ -155,6 +160,8 @@ class LandingLog:
     def _open(self) -> None:
         self._file = (self.spool_dir / f"seg-{self._seq:012d}.jsonl").open("a", encoding="utf-8")
         self._open_count, self._opened_at = 0, time.monotonic()
+        if len(self._rows) < HELD_SEGMENTS:  # decided per segment: all its rows or none are held
+            self._rows[self._seq] = defaultdict(list)
         if self.fsync:  # the new segment's directory entry survives a lost machine too
             fd = os.open(self.spool_dir, os.O_RDONLY)
             try:

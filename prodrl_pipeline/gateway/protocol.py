@@ -104,6 +104,8 @@ class SamplingFields(Strict):
                 raise ValueError(f"logit_bias keys are token ids, got {token[:20]!r}")
             if not -100 <= bias <= 100:  # NaN fails too
                 raise ValueError(f"logit_bias values are in [-100, 100], got {bias}")
+        if len({int(t) for t in v}) < len(v):  # "7" and "007": which would win is anyone's guess
+            raise ValueError("logit_bias names a token id twice")
         return v
 
     @field_validator("temperature")
@@ -188,7 +190,6 @@ class NamedToolChoice(Strict):
 class JsonSchemaFormat(Strict):
     """`response_format.json_schema`: the schema is enforced whatever `strict` says."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")

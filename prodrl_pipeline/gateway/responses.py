@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from prodrl_pipeline.engine.constraints import ConstraintError
 from prodrl_pipeline.engine.sampler import Completion
 from prodrl_pipeline.gateway.errors import error_body
 
@@ -175,6 +176,9 @@ async def chat_stream(
     except (asyncio.CancelledError, GeneratorExit):  # the client left
         abandon()
         raise
+    except ConstraintError as e:  # the request's grammar failed mid-way: its fault, nothing recorded
+        yield f"data: {json.dumps(error_body(400, str(e), 'response_format'))}\n\n"
+        return
     except Exception as e:  # noqa: BLE001 - the engine failed: the stream ends with an error event
         yield f"data: {json.dumps(error_body(500, f'generation failed: {e}'))}\n\n"
         return

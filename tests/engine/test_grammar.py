@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from prodrl_pipeline.engine.constraints import ConstraintError
 from prodrl_pipeline.engine.grammar import GrammarConstraint
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import Request, TorchEngine
@@ -61,11 +62,26 @@ def test_json_object_is_any_object_and_special_tokens_stay_out(tiny_model, token
 
 
 @pytest.mark.parametrize(
-    "schema", [{"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}, {"type": 3}]
+    "schema,refusal",
+    [
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}, "cannot be enforced"),
+        ({"type": 3}, "cannot be enforced"),
+        ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "admits no text"),  # no value at all
+    ],
 )
-def test_a_schema_that_cannot_be_enforced_is_refused(tokenizer, schema):
-    with pytest.raises(ValueError, match="cannot be enforced"):
+def test_a_schema_that_cannot_be_enforced_is_refused(tokenizer, schema, refusal):
+    with pytest.raises(ValueError, match=refusal):
         GrammarConstraint.json(tokenizer, tokenizer.eos_token_id, schema)
+
+
+def test_a_parser_that_gives_up_mid_reply_raises_a_short_constraint_error(tokenizer):
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}
+    state = GrammarConstraint.json(tokenizer, tokenizer.eos_token_id, wide).start()
+    with pytest.raises(ConstraintError, match="could not go on") as failed:
+        for token in tokenizer.encode('{"p', add_special_tokens=False):
+            state.advance(token)
+        state.allowed()
+    assert len(str(failed.value)) < 400  # llguidance's grammar dump stays out of the message
 
 
 class _Broken:

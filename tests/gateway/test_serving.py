@@ -199,6 +199,14 @@ BAD = [
     ("logit_bias over 100", CHAT, {"messages": [USER], "logit_bias": {"5": -101}}, SERVE, 400, "logit_bias"),
     ("logit_bias key", CHAT, {"messages": [USER], "logit_bias": {"five": 1}}, SERVE, 400, "logit_bias"),
     ("logit_bias id", CHAT, {"messages": [USER], "logit_bias": {"99999": 1}}, SERVE, 400, "logit_bias"),
+    (
+        "logit_bias id twice",
+        CHAT,
+        {"messages": [USER], "logit_bias": {"7": 1, "007": 2}},
+        SERVE,
+        400,
+        "logit_bias",
+    ),
     ("tiny temperature", CHAT, {"messages": [USER], "temperature": 1e-45}, SERVE, 400, "temperature"),
     ("long stop", CHAT, {"messages": [USER], "stop": ["x" * 129]}, SERVE, 400, "stop"),
     (
@@ -565,6 +573,27 @@ def test_json_replies_follow_the_schema_and_record_the_constrained_support(gatew
     vocab = record["vocab_size"]
     assert all(size < vocab for size in record["support_size"])  # the grammar's mask is part of mu
     assert json.loads(_text(tokenizer, record)) == json.loads(shaped[0].choices[0].message.content)
+
+
+def test_a_schema_whose_parser_gives_up_mid_reply_is_the_requests_400_and_records_nothing(gateway):
+    """500 properties sharing a prefix compile, then overflow llguidance's parser a few tokens in."""
+    schema = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "integer"} for i in range(500)},
+        "x-guidance": {"whitespace_flexible": False},
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}
+    body = {"messages": [USER], "max_tokens": 32, "response_format": fmt}
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers=SERVE, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "response_format" and len(error["message"]) < 400
+    with httpx.stream(
+        "POST", f"{gateway.url}/v1/chat/completions", json={**body, "stream": True}, headers=SERVE, timeout=60
+    ) as streamed:
+        events = [json.loads(x[6:]) for x in streamed.iter_lines() if x.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "invalid_request_error"
+    assert events[-1]["error"]["param"] == "response_format"
+    assert _landed(gateway) == {}
 
 
 def test_multi_turn_prefix_continuity_and_calls_nobody_received(gateway):
