@@ -205,9 +205,7 @@ def create_app(
         if await request.is_disconnected():  # nobody will receive it: not recorded
             metrics.counts["client_gone"] += 1
             return response
-        serving.record(
-            call_id, tid, prompt_ids, c, params, seed, messages + [message]
-        )  # the response is ready
+        await serving.record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
         return response
 
     @app.post("/v1/completions")
@@ -262,7 +260,9 @@ def create_app(
         if await request.is_disconnected():
             metrics.counts["client_gone"] += 1
             return response
-        serving.record(call_id, tid, prompt_ids, c, params, seed, {"prompt": req.prompt, "completion": text})
+        await serving.record(
+            call_id, tid, prompt_ids, c, params, seed, {"prompt": req.prompt, "completion": text}
+        )
         return response
 
     @app.post("/v1/feedback")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -127,7 +127,7 @@ async def chat_stream(
     created: int,
     head: dict,
     tokens: TokenFeed,
-    end: Callable[[], Ending],
+    end: Callable[[], Awaitable[Ending]],
     abandon: Callable[[], None],
     stops: Sequence[str] | None = None,
     tool_open: int | None = None,
@@ -172,7 +172,7 @@ async def chat_stream(
             if target.startswith(shown) and len(target) > len(shown):
                 yield chunk({"content": target[len(shown) :]})
                 shown = target
-        ending = end()
+        ending = await end()
     except (asyncio.CancelledError, GeneratorExit):  # the client left
         abandon()
         raise

@@ -161,7 +161,7 @@ class Serving:
         on_token = (lambda ids: any([h(ids) for h in hooks])) if hooks else None  # noqa: E731 - every hook sees every token
         return self.engine.submit(EngineRequest(prompt_ids, params, constraint=constraint, on_token=on_token))
 
-    def record(
+    async def record(
         self,
         call_id: str,
         tid: str,
@@ -171,13 +171,16 @@ class Serving:
         seed: int,
         messages: list[dict] | dict,
     ) -> None:
+        """Index the call in its session, then make its record durable; the spool write (with its
+        schema check and serialization) runs off the event loop, the caller answers after it."""
         index = self.sessions.next_call_index(tid)
         extends = self.sessions.follow(tid, prompt_ids, c.token_ids)
         if extends is not None:
             self.metrics.prefix["extends" if extends else "breaks"] += 1
         if not (self.landing and self.cfg.record):
             return
-        self.landing.append(
+        await asyncio.to_thread(
+            self.landing.append,
             "call",
             {
                 "call_id": call_id,
@@ -256,12 +259,12 @@ class Serving:
 
         future.add_done_callback(finished)
 
-        def end() -> Ending:
+        async def end() -> Ending:
             if future.exception():  # an engine error surfaces here, before anything is recorded
                 self.metrics.counts["engine_error"] += 1
             c, seed = future.result()
             message, finish, logprobs = reply(c)
-            self.record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
+            await self.record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
             self.metrics.counts["chat"] += 1
             ids["token_ids"] = c.token_ids
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -24,6 +24,9 @@ def _stream(tokenizer, ids: list[int], stops, whole: bool) -> tuple[str, dict, i
                     await asyncio.sleep(0)  # lets the stream take this token alone
             tokens.put(None)
 
+        async def end() -> Ending:
+            return Ending(message, "stop", None, None)
+
         feeding = asyncio.create_task(feed())
         if whole:
             await feeding
@@ -35,7 +38,7 @@ def _stream(tokenizer, ids: list[int], stops, whole: bool) -> tuple[str, dict, i
             0,
             head,
             tokens,
-            lambda: Ending(message, "stop", None, None),
+            end,
             lambda: None,
             stops,
         )
