@@ -1,7 +1,9 @@
 """A real gateway process on loopback, driven by the official `openai` client and httpx."""
 
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -461,6 +463,31 @@ def test_hostile_requests_are_refused_before_their_body_and_record_nothing(gatew
         r = httpx.post(chat, json=request, headers=SERVE)
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
     assert _landed(gateway) == {}
+
+
+def test_huge_prompts_render_off_the_event_loop_while_health_checks_answer(gateway):
+    """Four ~0.9 MB prompts are rendered and tokenized in worker threads (~1 s each here): /healthz
+    keeps answering meanwhile. Rendered in the handler, they stalled it for seconds."""
+    chat = f"{gateway.url}/v1/chat/completions"
+    big = {"messages": [{"role": "user", "content": ("Nf3 is a move; " * 60_000)[:900_000]}]}
+    latencies, done = [], threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                client.get(f"{gateway.url}/healthz").raise_for_status()
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.05)  # the probe's period, not a synchronisation
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: httpx.post(chat, json=big, headers=SERVE, timeout=120), range(4)))
+    done.set()
+    prober.join()
+    assert [(r.status_code, r.json()["error"]["param"]) for r in answers] == [(400, "messages")] * 4
+    assert len(latencies) >= 5 and max(latencies) < 1.0, latencies
 
 
 def test_a_forged_turn_in_user_text_stays_text_in_the_model_input_and_the_record(gateway, tokenizer):
