@@ -95,7 +95,7 @@ async def _burst(url: str, bodies: list[dict], concurrency: int) -> dict:
             latency.append(time.perf_counter() - t0)
             ttft.append(first if first is not None else latency[-1])
 
-    limits = httpx.Limits(max_connections=concurrency)
+    limits = httpx.Limits(max_connections=concurrency, keepalive_expiry=4)  # before a server's close
     async with httpx.AsyncClient(limits=limits, timeout=300) as client:
         probe = asyncio.create_task(_Prober(url).run(lambda: running))
         t0 = time.perf_counter()

@@ -44,7 +44,10 @@ async def _load(
             reply = r.json()["choices"][0]["message"]["content"] or ""
             messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Again."}]
 
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(sessions)), timeout=600) as client:
+    # idle pooled connections are dropped before a server may close them (uvicorn's default: 5 s):
+    # else a request can race the server's close and fail with ReadError
+    limits = httpx.Limits(max_connections=len(sessions), keepalive_expiry=4)
+    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(session(client, i, m) for i, m in enumerate(sessions)))
         return len(sessions) * calls / (time.perf_counter() - t0), latencies

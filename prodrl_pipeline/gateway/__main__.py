@@ -111,13 +111,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-wait-ms", type=float, default=5.0)
     p.add_argument("--fsync", action="store_true", help="fsync every record (survives power loss, slower)")
     p.add_argument("--no-record", action="store_true", help="serve without recording (benchmarks only)")
+    p.add_argument(
+        "--keep-alive",
+        type=float,
+        default=75.0,
+        help="seconds an idle connection stays open (above a load balancer's, so it closes first)",
+    )
     return p
 
 
 def main() -> None:
     args = parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(build_app(args), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(
+        build_app(args),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_keep_alive=args.keep_alive,
+    )
 
 
 if __name__ == "__main__":
