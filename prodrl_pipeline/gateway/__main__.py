@@ -22,7 +22,7 @@ from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.gateway.app import create_app
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.gateway.landing import LandingLog
-from prodrl_pipeline.gateway.serving import GatewayConfig, expire_unscored
+from prodrl_pipeline.gateway.serving import GatewayConfig, Serving, expire_unscored
 from prodrl_pipeline.gateway.sessions import SessionIndex
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup
@@ -72,7 +72,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     )
     landing.tick = lambda: expire_unscored(landing, sessions)
     batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
-    return create_app(cfg, batcher, tokenizer, landing, sessions, config.max_position_embeddings)
+    return create_app(Serving(cfg, batcher, tokenizer, landing, sessions, config.max_position_embeddings))
 
 
 def parser() -> argparse.ArgumentParser:

@@ -20,15 +20,12 @@ from datetime import UTC, datetime
 from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.constraints import ConstraintError
 from prodrl_pipeline.engine.sampler import Completion
 from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
-from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.gateway.errors import error_response, validation_error
 from prodrl_pipeline.gateway.guard import Guard
-from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -41,20 +38,13 @@ from prodrl_pipeline.gateway.responses import (
     text_of,
     usage,
 )
-from prodrl_pipeline.gateway.serving import CALL_HEADER, TRAJECTORY_HEADER, GatewayConfig, Serving
-from prodrl_pipeline.gateway.sessions import SessionIndex
+from prodrl_pipeline.gateway.serving import CALL_HEADER, TRAJECTORY_HEADER, Serving
 
 
-def create_app(
-    cfg: GatewayConfig,
-    engine: BatchingEngine,
-    tokenizer: PreTrainedTokenizerBase,
-    landing: LandingLog | None,
-    sessions: SessionIndex,
-    max_positions: int,
-) -> FastAPI:
-    serving = Serving(cfg, engine, tokenizer, landing, sessions, max_positions)
-    metrics = serving.metrics
+def create_app(serving: Serving) -> FastAPI:
+    """The routes over `serving` (its engine, tokenizer, landing log and sessions)."""
+    cfg, engine, tokenizer = serving.cfg, serving.engine, serving.tokenizer
+    landing, sessions, metrics = serving.landing, serving.sessions, serving.metrics
     started = int(time.time())
 
     @asynccontextmanager
