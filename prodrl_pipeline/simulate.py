@@ -1,0 +1,208 @@
+"""Simulated production traffic: lab puzzles played as users would, through the real `openai`
+client against a capture gateway, with rewards posted late and out of order.
+
+Each of `users` concurrent users takes the next puzzle, asks for the `move` tool at every turn
+(`tool_choice` naming it, its enum the legal moves: the gateway's structured output, as the lab
+plays) and sends its trajectory id in `X-Prodrl-Trajectory-Id`. An episode's reward (1 solved,
+else 0) is due `reward_delay` to twice that seconds after it ends; once as many rewards are due as
+there are users (or play is over) they are posted newest first, so rewards trail the traffic and
+arrive out of the order episodes finished. Bounded by `episodes` and `max_seconds`; loopback
+gateways only (a simulator must not load someone else's server).
+
+    PRODRL_API_KEYS=... PRODRL_FEEDBACK_KEYS=... python -m prodrl_pipeline.simulate \
+        --url http://127.0.0.1:8000 --users 8 --episodes 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import httpx
+import openai
+
+from prodrl_pipeline.envs.chess_env import MOVE_TOOL, ChessEpisode
+from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
+from prodrl_pipeline.envs.puzzles import Puzzle
+
+TRAJECTORY_HEADER = "X-Prodrl-Trajectory-Id"
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    users: int = 8
+    """Concurrent users, each playing one episode at a time."""
+    episodes: int = 64
+    """Episodes in all (at most one per puzzle given)."""
+    max_seconds: float = 600.0
+    """No episode starts after this; the ones running finish, then the rewards are posted."""
+    reward_delay: float = 0.5
+    """Seconds between an episode's end and its reward being due (plus a random extra of up to
+    the same again)."""
+    max_tokens: int = 64
+    seed: int = 0
+    model: str = "live"
+    prefix: str = "sim"
+    """Trajectory ids are `{prefix}-{seed}-{episode}`."""
+
+    def __post_init__(self) -> None:
+        if self.users < 1 or self.episodes < 1 or self.max_seconds <= 0 or self.reward_delay < 0:
+            raise ValueError("need users >= 1, episodes >= 1, max_seconds > 0 and reward_delay >= 0")
+
+
+@dataclass
+class SimulationReport:
+    episodes: int = 0
+    solved: int = 0
+    calls: int = 0
+    rewards_posted: int = 0
+    errors: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # trajectory ids, in the order episodes ended
+    rewarded: list[str] = field(default_factory=list)  # trajectory ids, in the order rewards went
+    rewards: dict[str, float] = field(default_factory=dict)
+
+
+def check_loopback(url: str) -> None:
+    """ValueError unless `url` names this machine (localhost, 127.0.0.0/8, ::1)."""
+    host = urlparse(url).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"the simulator only plays against a loopback gateway, not {host!r}")
+
+
+def _move_tool(episode: ChessEpisode) -> dict:
+    """The lab's `move` tool with this turn's legal moves as its enum."""
+    params = {**MOVE_TOOL["function"]["parameters"]}
+    params["properties"] = {"move": {"type": "string", "enum": episode.allowed_moves()}}
+    return {**MOVE_TOOL, "function": {**MOVE_TOOL["function"], "parameters": params}}
+
+
+async def simulate(
+    url: str,
+    serve_key: str,
+    feedback_key: str,
+    puzzles: Sequence[Puzzle],
+    cfg: SimulationConfig,
+    progress: Callable[[SimulationReport], None] | None = None,
+) -> SimulationReport:
+    """Play `cfg.episodes` of `puzzles` against the gateway at `url` (its base, without /v1);
+    `progress` sees the report after each episode."""
+    check_loopback(url)
+    url = url.rstrip("/")
+    report, rng = SimulationReport(), random.Random(cfg.seed)
+    todo = list(enumerate(puzzles[: cfg.episodes]))
+    deadline = time.monotonic() + cfg.max_seconds
+    pending: list[tuple[int, float, str, float]] = []  # (finish order, due, trajectory id, reward)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=serve_key, max_retries=2)
+
+    async def play(i: int, puzzle: Puzzle) -> None:
+        tid = f"{cfg.prefix}-{cfg.seed}-{i}"
+        episode = ChessEpisode(puzzle)
+        while not episode.done:
+            reply = await client.chat.completions.create(
+                model=cfg.model,
+                messages=episode.messages,
+                tools=[_move_tool(episode)],
+                tool_choice={"type": "function", "function": {"name": "move"}},
+                max_tokens=cfg.max_tokens,
+                extra_headers={TRAJECTORY_HEADER: tid},
+            )
+            report.calls += 1
+            message = reply.choices[0].message.model_dump(exclude_none=True, include={"role", "tool_calls"})
+            episode.step({**message, "content": reply.choices[0].message.content or ""})
+        report.episodes += 1
+        report.solved += episode.reward == 1.0
+        report.finished.append(tid)
+        report.rewards[tid] = episode.reward
+        due = time.monotonic() + cfg.reward_delay * (1 + rng.random())
+        pending.append((len(report.finished), due, tid, episode.reward))
+        if progress:
+            progress(report)
+
+    async def user() -> None:
+        while todo and time.monotonic() < deadline:
+            i, puzzle = todo.pop(0)
+            try:
+                await play(i, puzzle)
+            except (openai.APIError, ValueError) as e:  # reported; the other users go on
+                report.errors.append(f"episode {i}: {e}")
+
+    async def post(http: httpx.AsyncClient, tid: str, reward: float) -> None:
+        r = await http.post(
+            f"{url}/v1/feedback",
+            json={"trajectory_id": tid, "reward": reward},
+            headers={"Authorization": f"Bearer {feedback_key}"},
+        )
+        if r.status_code == 200:
+            report.rewards_posted += 1
+            report.rewarded.append(tid)
+        else:
+            report.errors.append(f"reward for {tid}: {r.status_code} {r.text[:200]}")
+
+    async def poster(users_done: asyncio.Event) -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            while not (users_done.is_set() and not pending):
+                due = [p for p in pending if p[1] <= time.monotonic()]
+                batch = list(pending) if users_done.is_set() else due if len(due) >= cfg.users else []
+                if not batch:
+                    await asyncio.sleep(0.05)  # the poster's polling period, not a synchronisation
+                for item in sorted(batch, reverse=True):  # newest first
+                    pending.remove(item)
+                    await post(http, item[2], item[3])
+
+    users_done = asyncio.Event()
+    posting = asyncio.create_task(poster(users_done))
+    try:
+        await asyncio.gather(*(user() for _ in range(cfg.users)))
+    finally:
+        users_done.set()
+        await posting
+        await client.close()
+    return report
+
+
+def _progress(report: SimulationReport) -> None:
+    if report.episodes % 10 == 0:
+        print(f"  {report.episodes} episodes, {report.solved} solved, {report.calls} calls", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL (loopback)")
+    p.add_argument("--data", default="data", help="lab data folder (puzzles)")
+    p.add_argument("--split", default="heldout", choices=["train", "heldout"])
+    defaults = SimulationConfig()
+    for name in ("users", "episodes", "max_seconds", "reward_delay", "max_tokens", "seed", "model", "prefix"):
+        value = getattr(defaults, name)
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = p.parse_args()
+    serve_key = os.environ.get("PRODRL_API_KEYS", "").split(",")[0]
+    feedback_key = os.environ.get("PRODRL_FEEDBACK_KEYS", "").split(",")[0]
+    cfg = SimulationConfig(
+        **{k: v for k, v in vars(args).items() if k in SimulationConfig.__dataclass_fields__}
+    )
+    puzzles = list(iter_lab_puzzles(args.data, args.split))
+    random.Random(cfg.seed).shuffle(puzzles)
+    t0 = time.monotonic()
+    report = asyncio.run(simulate(args.url, serve_key, feedback_key, puzzles, cfg, progress=_progress))
+    seconds = time.monotonic() - t0
+    print(
+        f"{report.episodes} episodes ({report.solved} solved), {report.calls} calls, "
+        f"{report.rewards_posted} rewards posted, {len(report.errors)} errors in {seconds:.1f} s"
+    )
+    for error in report.errors[:10]:
+        print("  ", error)
+
+
+if __name__ == "__main__":
+    main()
