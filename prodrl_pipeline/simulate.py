@@ -188,9 +188,15 @@ def main() -> None:
     args = p.parse_args()
     serve_key = os.environ.get("PRODRL_API_KEYS", "").split(",")[0]
     feedback_key = os.environ.get("PRODRL_FEEDBACK_KEYS", "").split(",")[0]
-    cfg = SimulationConfig(
-        **{k: v for k, v in vars(args).items() if k in SimulationConfig.__dataclass_fields__}
-    )
+    if not (serve_key and feedback_key):
+        p.error("set PRODRL_API_KEYS and PRODRL_FEEDBACK_KEYS (the gateway's keys)")
+    try:
+        check_loopback(args.url)
+        cfg = SimulationConfig(
+            **{k: v for k, v in vars(args).items() if k in SimulationConfig.__dataclass_fields__}
+        )
+    except ValueError as e:
+        p.error(str(e))
     puzzles = list(iter_lab_puzzles(args.data, args.split))
     random.Random(cfg.seed).shuffle(puzzles)
     t0 = time.monotonic()
