@@ -21,6 +21,7 @@ import ipaddress
 import os
 import random
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -42,7 +43,8 @@ class SimulationConfig:
     episodes: int = 64
     """Episodes in all (at most one per puzzle given)."""
     max_seconds: float = 600.0
-    """No episode starts after this; the ones running finish, then the rewards are posted."""
+    """Play stops after this (episodes still running are abandoned, unrewarded); then the rewards
+    of the finished ones are posted."""
     reward_delay: float = 0.5
     """Seconds between an episode's end and its reward being due (plus a random extra of up to
     the same again)."""
@@ -50,7 +52,7 @@ class SimulationConfig:
     seed: int = 0
     model: str = "live"
     prefix: str = "sim"
-    """Trajectory ids are `{prefix}-{seed}-{episode}`."""
+    """Trajectory ids are `{prefix}-{run}-{episode}`, `run` drawn fresh for each run."""
 
     def __post_init__(self) -> None:
         if self.users < 1 or self.episodes < 1 or self.max_seconds <= 0 or self.reward_delay < 0:
@@ -64,6 +66,7 @@ class SimulationReport:
     calls: int = 0
     rewards_posted: int = 0
     errors: list[str] = field(default_factory=list)
+    abandoned: list[str] = field(default_factory=list)  # trajectory ids of episodes that failed
     finished: list[str] = field(default_factory=list)  # trajectory ids, in the order episodes ended
     rewarded: list[str] = field(default_factory=list)  # trajectory ids, in the order rewards went
     rewards: dict[str, float] = field(default_factory=dict)
@@ -71,7 +74,10 @@ class SimulationReport:
 
 def check_loopback(url: str) -> None:
     """ValueError unless `url` names this machine (localhost, 127.0.0.0/8, ::1)."""
-    host = urlparse(url).hostname or ""
+    parsed = urlparse(url)
+    if parsed.username is not None or parsed.password is not None:
+        raise ValueError("the simulator's URL must not carry user info")
+    host = (parsed.hostname or "").rstrip(".")
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -96,17 +102,19 @@ async def simulate(
     progress: Callable[[SimulationReport], None] | None = None,
 ) -> SimulationReport:
     """Play `cfg.episodes` of `puzzles` against the gateway at `url` (its base, without /v1);
-    `progress` sees the report after each episode."""
+    `progress` sees the report after each episode. Calls are not retried (a retried call would be
+    recorded twice); a failed episode is reported and left unrewarded, as a user who gives up."""
     check_loopback(url)
-    url = url.rstrip("/")
+    url = url.rstrip("/").removesuffix("/v1")
+    run = uuid.uuid4().hex[:8]  # trajectory ids never collide with an earlier run's
     report, rng = SimulationReport(), random.Random(cfg.seed)
     todo = list(enumerate(puzzles[: cfg.episodes]))
-    deadline = time.monotonic() + cfg.max_seconds
     pending: list[tuple[int, float, str, float]] = []  # (finish order, due, trajectory id, reward)
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=serve_key, max_retries=2)
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key=serve_key, max_retries=0, timeout=min(cfg.max_seconds, 120.0)
+    )
 
-    async def play(i: int, puzzle: Puzzle) -> None:
-        tid = f"{cfg.prefix}-{cfg.seed}-{i}"
+    async def play(tid: str, puzzle: Puzzle) -> None:
         episode = ChessEpisode(puzzle)
         while not episode.done:
             reply = await client.chat.completions.create(
@@ -118,8 +126,15 @@ async def simulate(
                 extra_headers={TRAJECTORY_HEADER: tid},
             )
             report.calls += 1
-            message = reply.choices[0].message.model_dump(exclude_none=True, include={"role", "tool_calls"})
-            episode.step({**message, "content": reply.choices[0].message.content or ""})
+            message = reply.choices[0].message
+            episode.step(
+                {
+                    **message.model_dump(include={"role", "tool_calls"}, exclude_none=True),
+                    "content": message.content or "",
+                }
+            )
+            if message.tool_calls and episode.messages[-1]["role"] == "tool":  # answer the call made
+                episode.messages[-1]["tool_call_id"] = message.tool_calls[0].id
         report.episodes += 1
         report.solved += episode.reward == 1.0
         report.finished.append(tid)
@@ -130,19 +145,28 @@ async def simulate(
             progress(report)
 
     async def user() -> None:
-        while todo and time.monotonic() < deadline:
+        while todo:
             i, puzzle = todo.pop(0)
+            tid = f"{cfg.prefix}-{run}-{i}"
             try:
-                await play(i, puzzle)
-            except (openai.APIError, ValueError) as e:  # reported; the other users go on
-                report.errors.append(f"episode {i}: {e}")
+                await play(tid, puzzle)
+            except asyncio.CancelledError:  # max_seconds: the episode stays unrewarded
+                report.abandoned.append(tid)
+                raise
+            except Exception as e:  # noqa: BLE001 - reported; the other users go on
+                report.abandoned.append(tid)
+                report.errors.append(f"{tid}: {type(e).__name__}: {str(e)[:200]}")
 
     async def post(http: httpx.AsyncClient, tid: str, reward: float) -> None:
-        r = await http.post(
-            f"{url}/v1/feedback",
-            json={"trajectory_id": tid, "reward": reward},
-            headers={"Authorization": f"Bearer {feedback_key}"},
-        )
+        try:
+            r = await http.post(
+                f"{url}/v1/feedback",
+                json={"trajectory_id": tid, "reward": reward},
+                headers={"Authorization": f"Bearer {feedback_key}"},
+            )
+        except httpx.HTTPError as e:
+            report.errors.append(f"reward for {tid}: {type(e).__name__}: {e}")
+            return
         if r.status_code == 200:
             report.rewards_posted += 1
             report.rewarded.append(tid)
@@ -150,10 +174,11 @@ async def simulate(
             report.errors.append(f"reward for {tid}: {r.status_code} {r.text[:200]}")
 
     async def poster(users_done: asyncio.Event) -> None:
-        async with httpx.AsyncClient(timeout=60) as http:
+        batch_size = max(2, cfg.users)  # at least two: a batch posted newest first is out of order
+        async with httpx.AsyncClient(timeout=10) as http:
             while not (users_done.is_set() and not pending):
                 due = [p for p in pending if p[1] <= time.monotonic()]
-                batch = list(pending) if users_done.is_set() else due if len(due) >= cfg.users else []
+                batch = list(pending) if users_done.is_set() else due if len(due) >= batch_size else []
                 if not batch:
                     await asyncio.sleep(0.05)  # the poster's polling period, not a synchronisation
                 for item in sorted(batch, reverse=True):  # newest first
@@ -163,7 +188,9 @@ async def simulate(
     users_done = asyncio.Event()
     posting = asyncio.create_task(poster(users_done))
     try:
-        await asyncio.gather(*(user() for _ in range(cfg.users)))
+        await asyncio.wait_for(asyncio.gather(*(user() for _ in range(cfg.users))), cfg.max_seconds)
+    except TimeoutError:
+        report.errors.append(f"stopped after max_seconds = {cfg.max_seconds}")
     finally:
         users_done.set()
         await posting
@@ -172,7 +199,7 @@ async def simulate(
 
 
 def _progress(report: SimulationReport) -> None:
-    if report.episodes % 10 == 0:
+    if report.episodes % 10 == 0:  # every 10th episode
         print(f"  {report.episodes} episodes, {report.solved} solved, {report.calls} calls", flush=True)
 
 
@@ -197,8 +224,12 @@ def main() -> None:
         )
     except ValueError as e:
         p.error(str(e))
+    if not os.path.isdir(args.data):
+        p.error(f"no lab data folder {args.data!r} (run from the repository root, or pass --data)")
     puzzles = list(iter_lab_puzzles(args.data, args.split))
     random.Random(cfg.seed).shuffle(puzzles)
+    if len(puzzles) < cfg.episodes:
+        print(f"the {args.split} split holds {len(puzzles)} puzzles: playing {len(puzzles)} episodes")
     t0 = time.monotonic()
     report = asyncio.run(simulate(args.url, serve_key, feedback_key, puzzles, cfg, progress=_progress))
     seconds = time.monotonic() - t0
