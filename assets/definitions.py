@@ -15,8 +15,7 @@ from assets.operations import eval_live_job, eval_live_schedule, maintenance_job
 from assets.sensors import round_sensor
 from assets.study_report import study_report
 from assets.trajectories import trajectories
-from resources.lab import LabResource
-from resources.store import StoreResource
+from resources.settings import resources_from_environment
 
 ROUND_ASSETS = [trajectories, advantages, checkpoint, deployment, eval_report]
 """One round, in order: what `round_job` materializes for a partition."""
@@ -29,5 +28,5 @@ defs = Definitions(
     jobs=[base_job, round_job, maintenance_job, eval_live_job],
     sensors=[round_sensor],
     schedules=[maintenance_schedule, eval_live_schedule],
-    resources={"store": StoreResource(), "lab": LabResource()},
+    resources=resources_from_environment(),  # PRODRL_SETTINGS (resources/settings.py), else the lab
 )

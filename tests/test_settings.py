@@ -1,0 +1,64 @@
+"""Production mode is a setting: one settings file, named by PRODRL_SETTINGS, read by the code location."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from resources.settings import resources_from_environment
+
+PRODUCTION = """
+lab:
+  source: production
+  experiment: prod-1
+  gate_margin: 0.01
+store:
+  root: {root}
+"""
+
+
+def test_unset_is_the_embedded_lab():
+    resources = resources_from_environment({})
+    assert resources["lab"].source == "lab" and resources["store"].root == ".prodrl"
+
+
+def test_a_settings_file_selects_production_its_experiment_thresholds_and_store(tmp_path):
+    path = tmp_path / "production.yaml"
+    path.write_text(PRODUCTION.format(root=tmp_path / "store"))
+    resources = resources_from_environment({"PRODRL_SETTINGS": str(path)})
+    lab = resources["lab"]
+    assert (lab.source, lab.experiment, lab.gate_margin) == ("production", "prod-1", 0.01)
+    assert resources["store"].root == str(tmp_path / "store")
+
+
+@pytest.mark.parametrize(
+    "text,named",
+    [
+        ("lab:\n  sorce: production\n", "sorce"),
+        ("labs:\n  source: production\n", "sections"),
+        ("lab:\n  source: moon\n", "source"),
+        ("- a list\n", "sections"),
+        ("lab: [unclosed\n", "cannot read"),
+    ],
+)
+def test_a_bad_settings_file_is_refused_naming_what_is_wrong(tmp_path, text, named):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=named):
+        resources_from_environment({"PRODRL_SETTINGS": str(path)})
+    with pytest.raises(ValueError, match="cannot read"):
+        resources_from_environment({"PRODRL_SETTINGS": str(tmp_path / "missing.yaml")})
+
+
+def test_the_code_location_reads_the_settings_file(tmp_path):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(PRODUCTION.format(root=tmp_path / "store"))
+    bad.write_text("lab:\n  sorce: production\n")
+    code = "import assets.definitions"
+    env = {**os.environ, "PRODRL_SETTINGS": str(good)}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == 0
+    failed = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "PRODRL_SETTINGS": str(bad)}, capture_output=True, text=True
+    )
+    assert failed.returncode != 0 and "sorce" in failed.stderr
