@@ -19,8 +19,7 @@ from assets.eval_report import SUMMARY_COLUMNS
 from assets.partitions import round_key, round_number
 from prodrl_pipeline.evals.report import gain_over_base, markdown_table
 from prodrl_pipeline.records.queries import round_summary
-from resources.lab import LabResource
-from resources.store import StoreResource
+from resources.settings import resources_from_environment
 
 
 def main() -> None:
@@ -54,8 +53,8 @@ def main() -> None:
         ):
             raise SystemExit(f"round {k} failed")
         print(f"== round {k} took {time.perf_counter() - t:.1f} s", flush=True)
-    store = StoreResource()  # the defaults the definitions use
-    experiment = LabResource().experiment
+    resources = resources_from_environment()  # what the definitions use
+    store, experiment = resources["store"], resources["lab"].experiment
     summary = round_summary(store.tables(), experiment)
     print(f"\nprodrl demo: {args.rounds} rounds in {time.perf_counter() - t0:.1f} s\n")
     print(markdown_table(summary, SUMMARY_COLUMNS))
