@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 from dagster import ConfigurableResource
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from resources.lab import LabResource
 from resources.store import StoreResource
@@ -27,28 +27,55 @@ SETTINGS_VARIABLE = "PRODRL_SETTINGS"
 RESOURCES: dict[str, type[ConfigurableResource]] = {"lab": LabResource, "store": StoreResource}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        if repeated := sorted({str(k) for k in keys if keys.count(k) > 1}):
+            raise yaml.constructor.ConstructorError(None, None, f"{repeated} given twice", node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unknown(model: type[BaseModel], fields: Mapping, where: str) -> list[str]:
+    """Keys of `fields` (and of its nested sections) that `model` does not have."""
+    out = []
+    for key, value in fields.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            out.append(f"{where}.{key}")
+        elif (
+            isinstance(value, Mapping)
+            and isinstance(field.annotation, type)
+            and issubclass(field.annotation, BaseModel)
+        ):
+            out += _unknown(field.annotation, value, f"{where}.{key}")
+    return out
+
+
 def resources_from_environment(env: Mapping[str, str] = os.environ) -> dict[str, ConfigurableResource]:
     """The `lab` and `store` resources, with the fields the settings file names (ValueError, naming
-    the file and the setting, for a missing file, an unknown section or field, or a bad value)."""
+    the file and the setting, for a missing, empty or unparsable file, a key given twice, an
+    unknown section or field at any depth, or a bad value)."""
     path = env.get(SETTINGS_VARIABLE)
-    settings: dict = {}
-    if path:
-        try:
-            settings = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ValueError(f"{SETTINGS_VARIABLE}={path}: cannot read it: {e}") from e
-        if not isinstance(settings, dict) or set(settings) - set(RESOURCES):
-            raise ValueError(
-                f"{SETTINGS_VARIABLE}={path}: the file maps sections {sorted(RESOURCES)} to fields"
-            )
+    if path is None:
+        return {name: cls() for name, cls in RESOURCES.items()}
+    where = f"{SETTINGS_VARIABLE}={path!r}"
+    try:
+        settings = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a safe loader
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"{where}: cannot read it: {e}") from e
+    if not isinstance(settings, dict) or not settings or set(settings) - set(RESOURCES):
+        raise ValueError(f"{where}: the file maps one or more of the sections {sorted(RESOURCES)} to fields")
     out = {}
     for name, cls in RESOURCES.items():
         fields = settings.get(name) or {}
-        unknown = set(fields) - set(cls.model_fields)
-        if unknown:
-            raise ValueError(f"{SETTINGS_VARIABLE}={path}: unknown {name} setting(s) {sorted(unknown)}")
+        if not isinstance(fields, Mapping):
+            raise ValueError(f"{where}: section {name!r} must map field names to values")
+        if unknown := _unknown(cls, fields, name):
+            raise ValueError(f"{where}: unknown setting(s) {unknown}")
         try:
             out[name] = cls(**fields)
         except ValidationError as e:
-            raise ValueError(f"{SETTINGS_VARIABLE}={path}: {name}: {e}") from e
+            raise ValueError(f"{where}: {name}: {e}") from e
     return out

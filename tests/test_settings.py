@@ -40,13 +40,22 @@ def test_a_settings_file_selects_production_its_experiment_thresholds_and_store(
         ("lab:\n  source: moon\n", "source"),
         ("- a list\n", "sections"),
         ("lab: [unclosed\n", "cannot read"),
+        ("lab:\n  estimator:\n    nme: tis_ppo\n", "lab.estimator.nme"),  # a typo one level down
+        ("lab:\n  source: production\nlab:\n  steps: 4\n", "given twice"),  # YAML keeps the last
+        ("", "sections"),  # an empty file is not the lab defaults
+        ("lab: 5\n", "must map"),
+        ("lab: production\n", "must map"),
     ],
 )
 def test_a_bad_settings_file_is_refused_naming_what_is_wrong(tmp_path, text, named):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=named):
+    with pytest.raises(ValueError, match=named) as refused:
         resources_from_environment({"PRODRL_SETTINGS": str(path)})
+    assert str(path) in str(refused.value)
+
+
+def test_a_missing_settings_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         resources_from_environment({"PRODRL_SETTINGS": str(tmp_path / "missing.yaml")})
 
@@ -55,9 +64,10 @@ def test_the_code_location_reads_the_settings_file(tmp_path):
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text(PRODUCTION.format(root=tmp_path / "store"))
     bad.write_text("lab:\n  sorce: production\n")
-    code = "import assets.definitions"
+    code = "from assets.definitions import defs; r = defs.resources; print(r['lab'].source, r['store'].root)"
     env = {**os.environ, "PRODRL_SETTINGS": str(good)}
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == 0
+    read = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert read.stdout.split() == ["production", str(tmp_path / "store")]
     failed = subprocess.run(
         [sys.executable, "-c", code], env={**env, "PRODRL_SETTINGS": str(bad)}, capture_output=True, text=True
     )
