@@ -8,6 +8,7 @@ Removed tokens get -inf. The result is mu(.|h) for every row, the distribution t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,20 @@ class SamplingParams:
             "seed": seed,
             "logit_bias": [{"token_id": t, "bias": b} for t, b in self.logit_bias],
         }
+
+
+def bias_matrix(
+    rows: Sequence[tuple[Sequence[int], Sequence[float]] | None], vocab: int
+) -> torch.Tensor | None:  # [N, V]
+    """Per-row logit biases, given as (token ids, biases) or None, as the dense [N, V] matrix
+    `processed_logprobs` adds (None when no row has one). The engine and the trainer both build it."""
+    if all(b is None for b in rows):
+        return None
+    dense = torch.zeros((len(rows), vocab))
+    for i, b in enumerate(rows):
+        if b is not None:
+            dense[i, list(b[0])] = torch.tensor(b[1], dtype=torch.float32)
+    return dense
 
 
 def processed_logprobs(

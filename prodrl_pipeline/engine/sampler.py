@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from prodrl_pipeline.engine.constraints import Constraint
-from prodrl_pipeline.engine.processing import SamplingParams, processed_logprobs
+from prodrl_pipeline.engine.processing import SamplingParams, bias_matrix, processed_logprobs
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Decoder:
         self.own: list[torch.Generator | None] = []
         self.temperature, self.top_p = torch.zeros(0), torch.zeros(0)  # per row
         self.top_k = torch.zeros(0, dtype=torch.long)
-        self.bias: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per row: (ids, biases)
+        self.bias: list[tuple[tuple[int, ...], tuple[float, ...]] | None] = []  # per row: (ids, biases)
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros((0, 0), dtype=torch.long)  # [N, cache length]
         self.pending = torch.zeros((0, 0), dtype=torch.long)  # [N, w]: ids not yet in the cache
@@ -189,7 +189,12 @@ class Decoder:
         self._forward()
         b, extra = self.rows, self.engine.extra_samples
         logp = processed_logprobs(  # [N, V]
-            self.logits, self.temperature, self.top_k, self.top_p, b.allowed_mask(), self._bias_matrix()
+            self.logits,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            b.allowed_mask(),
+            bias_matrix(self.bias, self.engine.vocab_size),
         )
         # the sampled token and M extra samples of the same mu, in one draw
         probs = logp.exp()
@@ -216,15 +221,6 @@ class Decoder:
         )
         self.fed = torch.tensor([[0 if d else 1] * width for d in was_done], dtype=torch.long)
         self.logits = None
-
-    def _bias_matrix(self) -> torch.Tensor | None:  # [N, V]
-        if all(b is None for b in self.bias):
-            return None
-        dense = torch.zeros((len(self), self.engine.vocab_size))
-        for i, b in enumerate(self.bias):
-            if b is not None:
-                dense[i, b[0]] = b[1]
-        return dense
 
     def release(self) -> list[tuple[Request, Completion, Exception | None]]:
         """Remove the finished rows (freeing their cache): their requests, completions and the
@@ -264,13 +260,13 @@ def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
 
 
-def _bias(params: SamplingParams, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _bias(params: SamplingParams, vocab_size: int) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
     if not params.logit_bias:
         return None
     ids, biases = zip(*params.logit_bias, strict=True)
     if max(ids) >= vocab_size:
         raise ValueError(f"logit_bias names token {max(ids)}, outside the vocabulary of {vocab_size}")
-    return torch.tensor(ids), torch.tensor(biases, dtype=torch.float32)
+    return ids, biases
 
 
 def _left_pad(x: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:

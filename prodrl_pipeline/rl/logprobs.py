@@ -25,6 +25,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from prodrl_pipeline.engine.processing import bias_matrix
 from prodrl_pipeline.quant.qat import base_forward
 
 
@@ -156,7 +157,7 @@ def project_logprobs(
             seqs.head_mask[sl],
             seqs.extra_ids[sl],
             _support_mask(seqs.support[sl], vocab),
-            _bias_matrix(seqs.bias[sl], vocab) if seqs.bias is not None else None,
+            bias_matrix(seqs.bias[sl], vocab) if seqs.bias is not None else None,
         )
         if torch.is_grad_enabled():
             outs.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
@@ -199,16 +200,6 @@ def _chunk_logprobs(
         entropy = -(p * kept.masked_fill(p == 0, 0.0)).sum(-1)
         complement = kept.scatter(1, token_ids[:, None], float("-inf")).logsumexp(-1)
     return lp, kept.gather(1, head_ids), tail, kept.gather(1, extra_ids), complement, full, entropy
-
-
-def _bias_matrix(bias: list[tuple[list[int], list[float]] | None], vocab: int) -> torch.Tensor | None:
-    if all(b is None for b in bias):
-        return None
-    dense = torch.zeros((len(bias), vocab))
-    for i, b in enumerate(bias):
-        if b is not None:
-            dense[i, b[0]] = torch.tensor(b[1])
-    return dense
 
 
 def _support_mask(support: list[list[int] | None], vocab: int) -> torch.Tensor | None:  # [c, V]
