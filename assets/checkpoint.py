@@ -12,6 +12,7 @@ from prodrl_pipeline.records.registry import lookup, register_checkpoint, round_
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
 from prodrl_pipeline.rl.retokenize import retokenize_calls
 from prodrl_pipeline.rl.trainer import make_optimizer, policy_logprobs, train_round
+from prodrl_pipeline.rounds import parent_checkpoint
 from resources.lab import EstimatorSettings, LabResource
 from resources.store import StoreResource
 
@@ -69,11 +70,17 @@ def _checkpoint_round(
             description=f"round {k}: expected trajectories from one deployment, found {sorted(served_by)}"
         )
     deployment = lookup(tables, "deployments", "deployment_id", served_by.pop())
-    # The parent is theta_k, the checkpoint behind the serving deployment (sync); the one-round
-    # asynchronous schedule and counterfactual replays train on from the experiment's previous round.
-    own_chain = lab.counterfactual or lab.schedule == "async1"
-    parent_id = round_id(lab.experiment, k - 1) if own_chain else deployment["checkpoint_id"]
-    parent = lookup(tables, "checkpoints", "checkpoint_id", parent_id)
+    parent_id = parent_checkpoint(
+        schedule=lab.schedule,
+        counterfactual=lab.counterfactual,
+        experiment=lab.experiment,
+        round_=k,
+        served_checkpoint=deployment["checkpoint_id"],
+    )
+    try:
+        parent = lookup(tables, "checkpoints", "checkpoint_id", parent_id)
+    except KeyError as e:
+        raise Failure(description=f"round {k} trains from {parent_id}, which is not registered: {e}") from e
     model, optimizer_state, parent_meta = load_checkpoint(parent["path"])
     optimizer = make_optimizer(model, cfg, optimizer_state)
     pad = lab.tokenizer().pad_token_id

@@ -15,18 +15,19 @@ from assets.operations import eval_live_job, eval_live_schedule, maintenance_job
 from assets.sensors import round_sensor
 from assets.study_report import study_report
 from assets.trajectories import trajectories
-from resources.settings import resources_from_environment
+from resources.settings import RESOURCES, settings_from_environment
 
 ROUND_ASSETS = [trajectories, advantages, checkpoint, deployment, eval_report]
 """One round, in order: what `round_job` materializes for a partition."""
 ASSETS = [base_model, *ROUND_ASSETS, *CHECKS]
 """Everything `materialize` needs to run a round with its asset checks."""
 
+settings = settings_from_environment()  # PRODRL_SETTINGS (resources/settings.py), else the lab
 defs = Definitions(
     assets=[base_model, *ROUND_ASSETS, study_report],
     asset_checks=CHECKS,
     jobs=[base_job, round_job, maintenance_job, eval_live_job],
-    sensors=[round_sensor],
+    sensors=[round_sensor(settings["sensor"].minimum_interval_seconds)],
     schedules=[maintenance_schedule, eval_live_schedule],
-    resources=resources_from_environment(),  # PRODRL_SETTINGS (resources/settings.py), else the lab
+    resources={name: settings[name] for name in RESOURCES},
 )

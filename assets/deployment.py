@@ -21,6 +21,7 @@ from prodrl_pipeline.quant.nvfp4 import export_deployment, weight_error
 from prodrl_pipeline.records.queries import stored_results
 from prodrl_pipeline.records.registry import lookup, register_deployment, round_id
 from prodrl_pipeline.rl.checkpoint import load_checkpoint
+from prodrl_pipeline.rounds import goes_live
 from resources.lab import LabResource
 from resources.store import StoreResource
 
@@ -76,8 +77,7 @@ def _deployment_round(
         lab.gate_margin,
         lab.gate_confidence,
     )
-    # Live only moves forward, and never for a counterfactual replay.
-    if gate.passed and not lab.counterfactual and (live["round"] < k or live["deployment_id"] == dep_id):
+    if goes_live(gate_passed=gate.passed, counterfactual=lab.counterfactual, round_=k, candidate=dep_id, live=live):
         tables.set_live(dep_id)
     context.log.info(f"round {k}: {gate.reason()}; live is {tables.live_deployment()['deployment_id']}")
     return MaterializeResult(

@@ -1,10 +1,12 @@
-"""The round sensor: start the next round when enough scored traffic of the live deployment exists."""
+"""The round sensor: start the next round when the schedule allows it and, in production, enough
+scored traffic of the live deployment has landed."""
 
 from dagster import (
     AddDynamicPartitionsRequest,
     AssetKey,
     DefaultSensorStatus,
     RunRequest,
+    SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
@@ -14,30 +16,46 @@ from dagster import (
 from assets.jobs import round_job
 from assets.partitions import round_key, round_number, rounds
 from prodrl_pipeline.records.snapshot import LANDING, count_available
+from prodrl_pipeline.rounds import DEPLOYED, TRAFFIC_TAKEN, start_blocker
 from resources.lab import LabResource
 from resources.store import StoreResource
 
 
-@sensor(job=round_job, minimum_interval_seconds=30, default_status=DefaultSensorStatus.STOPPED)
-def round_sensor(context: SensorEvaluationContext, store: StoreResource, lab: LabResource):
-    """Adds partition r(k+1) and requests its run in one result, once round k has finished (its
-    `deployment` materialized) and, in production, once S*B scored trajectories served by the live
-    deployment have landed. The cursor is the landing tables' versions counted (an unchanged landing
-    skips the query); the run key is the partition, so a re-evaluated tick never launches twice."""
+def round_sensor(minimum_interval_seconds: int = 30) -> SensorDefinition:
+    """The round sensor, evaluated by the daemon at most every `minimum_interval_seconds`."""
+    return sensor(
+        name="round_sensor",
+        job=round_job,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=DefaultSensorStatus.STOPPED,
+    )(next_round)
+
+
+def next_round(context: SensorEvaluationContext, store: StoreResource, lab: LabResource):
+    """Adds partition r(k+1) and requests its run in one result, once `prodrl_pipeline.rounds`
+    says round k+1 may start (sync: round k is deployed; async1: round k has taken its traffic and
+    round k-1 is deployed) and, in production, once S*B scored trajectories served by the live
+    deployment and not taken by a round have landed. The cursor is the landing tables' versions
+    and live deployment counted (nothing new skips the query); the run key is the partition, so a
+    re-evaluated tick never launches twice."""
     keys = sorted(context.instance.get_dynamic_partitions(rounds.name), key=round_number)
-    done = context.instance.get_materialized_partitions(AssetKey("deployment"))
-    if keys and keys[-1] not in done:
-        return SkipReason(f"round {keys[-1]} is still in flight")
+    latest = round_number(keys[-1]) if keys else 0
+    done: dict[int, set[str]] = {}
+    for asset in (TRAFFIC_TAKEN, DEPLOYED):
+        for key in context.instance.get_materialized_partitions(AssetKey(asset)):
+            done.setdefault(round_number(key), set()).add(asset)
+    if blocker := start_blocker(lab.schedule, latest, done):
+        return SkipReason(blocker)
     tables = store.tables()
     live = tables.live_deployment()
     if live is None:
         return SkipReason("no live deployment: materialize base_model first")
-    nxt = round_key(round_number(keys[-1]) + 1 if keys else 1)
+    nxt = round_key(latest + 1)
     cursor = None
     if lab.source == "production":
         need = lab.steps * lab.batch_size
         versions = {t: tables.table(t).version() for t in LANDING if tables.exists(t)}
-        cursor = f"{nxt}|" + ",".join(f"{t}={v}" for t, v in sorted(versions.items()))
+        cursor = f"{nxt}|{live['deployment_id']}|" + ",".join(f"{t}={v}" for t, v in sorted(versions.items()))
         if cursor == context.cursor:
             return SkipReason("no new landing commits since the last count")
         n, _ = count_available(tables, round_number(nxt), live["deployment_id"], need)

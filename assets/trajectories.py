@@ -1,7 +1,8 @@
-"""Round k's traffic: S*B scored trajectories served by the live deployment.
+"""Round k's traffic: S*B scored trajectories of one deployment (`prodrl_pipeline.rounds` names it).
 
-Lab source: play puzzles against the live deployment. Production source: snapshot the gateway's
-landing tables, pinning their Delta versions in this partition's metadata.
+Lab source: play puzzles against that deployment. Production source: snapshot the gateway's
+landing tables (traffic of the live deployment), pinning their Delta versions in this partition's
+metadata.
 """
 
 import random
@@ -21,10 +22,10 @@ from dagster import (
 from assets.base_model import base_model
 from assets.partitions import merged, ordered_keys, round_number, rounds
 from prodrl_pipeline.envs.rollout import play
-from prodrl_pipeline.records.registry import BASE, round_id
 from prodrl_pipeline.records.snapshot import snapshot_production
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.records.validate import prefix_continuity, split_valid
+from prodrl_pipeline.rounds import traffic_deployment
 from resources.lab import LabResource
 from resources.store import StoreResource
 
@@ -45,8 +46,8 @@ class TrajectoriesConfig(Config):
 def trajectories(
     context: AssetExecutionContext, config: TrajectoriesConfig, store: StoreResource, lab: LabResource
 ) -> MaterializeResult:
-    """Collect the round's trajectories from the live deployment, validate them against the data
-    contract (violations go to `rejects`) and store calls and trajectories for the round."""
+    """Collect the round's trajectories, validate them against the data contract (violations go
+    to `rejects`) and store calls and trajectories for the round."""
     return merged([_trajectories_round(context, key, config, store, lab) for key in ordered_keys(context)])
 
 
@@ -63,21 +64,24 @@ def _trajectories_round(
     if stored.num_rows and not config.recollect:
         context.log.info(f"round {k}: {stored.num_rows} stored trajectories are kept (recollect=False)")
         return MaterializeResult(metadata=_summary(stored.to_pylist(), tables, reused=True))
-    if lab.counterfactual:
-        raise Failure(
-            description=f"round {k}: a counterfactual replay trains on stored traffic only; "
-            "materialize the round's trajectories in the original experiment first"
+    registered = {d["deployment_id"]: d for d in tables.read("deployments").to_pylist()}
+    try:
+        source = traffic_deployment(
+            source=lab.source,
+            schedule=lab.schedule,
+            counterfactual=lab.counterfactual,
+            experiment=lab.experiment,
+            round_=k,
+            live=tables.live_deployment(),
+            registered=registered,
         )
-    live = tables.live_deployment()
-    if live is None:
-        raise Failure(description="no live deployment: materialize base_model first")
-    if lab.schedule == "async1" and lab.source == "lab":
-        live = _async_source(tables, lab, k)
+    except ValueError as e:
+        raise Failure(description=str(e)) from e
     n = lab.steps * lab.batch_size
     pinned: dict[str, int | str] = {}
     if lab.source == "production":
         previous = _pinned_snapshot(context, key) if config.recollect else None
-        deployment_id = previous["deployment_id"] if previous else live["deployment_id"]
+        deployment_id = previous["deployment_id"] if previous else source["deployment_id"]
         snap = snapshot_production(tables, k, deployment_id, n, previous and previous["versions"])
         if len(snap.trajectories) < n:
             raise Failure(
@@ -90,7 +94,7 @@ def _trajectories_round(
             "snapshot_deployment": deployment_id,
         }
     else:
-        calls, trajs = _collect_lab(context, lab, live, k, n)
+        calls, trajs = _collect_lab(context, lab, source, k, n)
     calls, trajs, rejects = split_valid(calls, trajs)
     extending, later = prefix_continuity(calls)
     tables.overwrite_round("calls", calls, k)
@@ -106,16 +110,6 @@ def _trajectories_round(
             **pinned,
         }
     )
-
-
-def _async_source(tables: DeltaStore, lab: LabResource, k: int) -> dict:
-    """One-round asynchronous: round k's traffic comes from round k-2's deployment (the one live
-    while round k-1 trained); the base model's for rounds 1 and 2."""
-    registered = {d["deployment_id"]: d for d in tables.read("deployments").to_pylist()}
-    source = round_id(lab.experiment, k - 2) if k > 2 else BASE
-    if source not in registered:
-        raise Failure(description=f"round {k} (async1) collects from {source}, which is not registered")
-    return registered[source]
 
 
 def _collect_lab(context: AssetExecutionContext, lab: LabResource, live: dict, k: int, n: int):

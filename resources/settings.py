@@ -8,6 +8,8 @@ edited. Unset: the embedded lab defaults.
       gate_margin: 0.01
     store:                    # any StoreResource field
       root: /srv/prodrl
+    sensor:                   # the round sensor
+      minimum_interval_seconds: 30
 """
 
 from __future__ import annotations
@@ -18,13 +20,23 @@ from pathlib import Path
 
 import yaml
 from dagster import ConfigurableResource
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from resources.lab import LabResource
 from resources.store import StoreResource
 
 SETTINGS_VARIABLE = "PRODRL_SETTINGS"
+
+
+class SensorSettings(BaseModel):
+    """How often the daemon evaluates `round_sensor`."""
+
+    model_config = ConfigDict(extra="forbid")
+    minimum_interval_seconds: int = Field(30, ge=1)
+
+
 RESOURCES: dict[str, type[ConfigurableResource]] = {"lab": LabResource, "store": StoreResource}
+SECTIONS: dict[str, type[BaseModel]] = {**RESOURCES, "sensor": SensorSettings}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -54,21 +66,27 @@ def _unknown(model: type[BaseModel], fields: Mapping, where: str) -> list[str]:
 
 
 def resources_from_environment(env: Mapping[str, str] = os.environ) -> dict[str, ConfigurableResource]:
-    """The `lab` and `store` resources, with the fields the settings file names (ValueError, naming
-    the file and the setting, for a missing, empty or unparsable file, a key given twice, an
-    unknown section or field at any depth, or a bad value)."""
+    """The `lab` and `store` resources the settings file describes."""
+    settings = settings_from_environment(env)
+    return {name: settings[name] for name in RESOURCES}
+
+
+def settings_from_environment(env: Mapping[str, str] = os.environ) -> dict[str, BaseModel]:
+    """Every section (`lab`, `store`, `sensor`), with the fields the settings file names
+    (ValueError, naming the file and the setting, for a missing, empty or unparsable file, a key
+    given twice, an unknown section or field at any depth, or a bad value)."""
     path = env.get(SETTINGS_VARIABLE)
     if path is None:
-        return {name: cls() for name, cls in RESOURCES.items()}
+        return {name: cls() for name, cls in SECTIONS.items()}
     where = f"{SETTINGS_VARIABLE}={path!r}"
     try:
         settings = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a safe loader
     except (OSError, yaml.YAMLError) as e:
         raise ValueError(f"{where}: cannot read it: {e}") from e
-    if not isinstance(settings, dict) or not settings or set(settings) - set(RESOURCES):
-        raise ValueError(f"{where}: the file maps one or more of the sections {sorted(RESOURCES)} to fields")
+    if not isinstance(settings, dict) or not settings or set(settings) - set(SECTIONS):
+        raise ValueError(f"{where}: the file maps one or more of the sections {sorted(SECTIONS)} to fields")
     out = {}
-    for name, cls in RESOURCES.items():
+    for name, cls in SECTIONS.items():
         fields = settings.get(name) or {}
         if not isinstance(fields, Mapping):
             raise ValueError(f"{where}: section {name!r} must map field names to values")

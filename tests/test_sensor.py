@@ -2,7 +2,7 @@
 
 from datetime import UTC, datetime
 
-from dagster import DagsterInstance, build_sensor_context, instance_for_test, materialize
+from dagster import AssetMaterialization, DagsterInstance, build_sensor_context, instance_for_test, materialize
 
 from assets.base_model import base_model
 from assets.sensors import round_sensor
@@ -46,7 +46,7 @@ def _feedback(tid: str) -> dict:
 
 def _tick(instance: DagsterInstance, resources: dict, cursor: str | None):
     with build_sensor_context(instance=instance, cursor=cursor, resources=resources) as ctx:
-        return round_sensor(ctx), ctx.cursor
+        return round_sensor()(ctx), ctx.cursor
 
 
 def test_sensor_fires_once_per_threshold_crossing_and_never_for_unscored_traffic(tmp_path):
@@ -80,3 +80,51 @@ def test_sensor_fires_once_per_threshold_crossing_and_never_for_unscored_traffic
         tables.append("landing_feedback", [_feedback(f"t{i}") for i in range(8, 20)])
         result, _ = _tick(instance, resources, cursor)  # round 1 is in flight: no second launch
         assert not getattr(result, "run_requests", None)
+
+
+def _taken(tid: str, round_: int) -> dict:
+    return {
+        "trajectory_id": tid,
+        "round": round_,
+        "deployment_id": "base",
+        "task_id": None,
+        "reward": 1.0,
+        "n_calls": 1,
+        "n_completion_tokens": 1,
+        "started_at": NOW,
+        "finished_at": NOW,
+        "source": "production",
+    }
+
+
+def test_async1_starts_the_next_collection_while_the_previous_round_trains(tmp_path):
+    resources = _resources(tmp_path, source="production", schedule="async1", steps=2, batch_size=4)
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        tables.append("landing_calls", [_call(f"t{i}") for i in range(16)])
+        tables.append("landing_feedback", [_feedback(f"t{i}") for i in range(15)])
+        result, cursor = _tick(instance, resources, None)
+        assert result.run_requests[0].partition_key == "r000001"
+        instance.add_dynamic_partitions("rounds", ["r000001"])
+
+        # round 1 has snapshotted t0..t7 but not computed its advantages: round 2 waits
+        tables.overwrite_round("trajectories", [_taken(f"t{i}", 1) for i in range(8)], 1)
+        result, cursor = _tick(instance, resources, cursor)
+        assert not getattr(result, "run_requests", None) and "not taken its traffic" in result.skip_message
+
+        # its advantages are stored: it queues for the trainer, and round 2 collects meanwhile from
+        # what is still live (base): only 7 of the 8 untaken trajectories are scored
+        instance.report_runless_asset_event(AssetMaterialization("trajectories", partition="r000001"))
+        instance.report_runless_asset_event(AssetMaterialization("advantages", partition="r000001"))
+        result, cursor = _tick(instance, resources, cursor)
+        assert not result.run_requests and "7/8 scored trajectories from base" in result.skip_reason.skip_message
+        tables.append("landing_feedback", [_feedback("t15")])
+        result, cursor = _tick(instance, resources, cursor)
+        assert result.run_requests[0].partition_key == "r000002"
+        instance.add_dynamic_partitions("rounds", ["r000002"])
+
+        # round 3 needs round 1 deployed, even once round 2 has taken its traffic
+        instance.report_runless_asset_event(AssetMaterialization("advantages", partition="r000002"))
+        result, _ = _tick(instance, resources, cursor)
+        assert not getattr(result, "run_requests", None) and "round 1 is not deployed" in result.skip_message

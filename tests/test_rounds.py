@@ -1,0 +1,80 @@
+"""Decisions about a round (prodrl_pipeline/rounds.py), without Dagster."""
+
+import pytest
+
+from prodrl_pipeline.rounds import goes_live, parent_checkpoint, start_blocker, traffic_deployment
+
+BASE_ROW = {"deployment_id": "base", "round": 0, "checkpoint_id": "base"}
+
+
+def _dep(k: int) -> dict:
+    return {"deployment_id": f"main-r{k:06d}", "round": k, "checkpoint_id": f"main-r{k:06d}"}
+
+
+def test_sync_starts_a_round_once_the_previous_one_is_deployed():
+    assert start_blocker("sync", 0, {}) is None
+    assert "round 2 is still in flight" == start_blocker("sync", 2, {1: {"advantages", "deployment"}, 2: {"advantages"}})
+    assert start_blocker("sync", 2, {2: {"advantages", "deployment"}}) is None
+
+
+def test_async1_overlaps_collection_of_round_k_plus_1_with_training_of_round_k():
+    assert start_blocker("async1", 0, {}) is None
+    assert "not taken its traffic" in start_blocker("async1", 1, {})
+    assert start_blocker("async1", 1, {1: {"advantages"}}) is None  # round 1 trains: round 2 may collect
+    assert "round 1 is not deployed" in start_blocker("async1", 2, {1: {"advantages"}, 2: {"advantages"}})
+    assert start_blocker("async1", 2, {1: {"advantages", "deployment"}, 2: {"advantages"}}) is None
+    # at most two rounds in flight: round 3 may not start while round 2 has not taken its traffic
+    assert "round 2 has not taken" in start_blocker("async1", 2, {1: {"advantages", "deployment"}})
+
+
+@pytest.mark.parametrize(
+    ("source", "schedule", "round_", "expected"),
+    [
+        ("lab", "sync", 3, "main-r000002"),  # the live deployment
+        ("lab", "async1", 1, "base"),
+        ("lab", "async1", 2, "base"),
+        ("lab", "async1", 3, "main-r000001"),  # two rounds back, whatever is live
+        ("production", "sync", 3, "main-r000002"),
+        ("production", "async1", 3, "main-r000002"),  # production traffic is always the live one's
+    ],
+)
+def test_traffic_comes_from_the_deployment_the_schedule_names(source, schedule, round_, expected):
+    registered = {d["deployment_id"]: d for d in (BASE_ROW, _dep(1), _dep(2))}
+    got = traffic_deployment(
+        source=source,
+        schedule=schedule,
+        counterfactual=False,
+        experiment="main",
+        round_=round_,
+        live=_dep(2),
+        registered=registered,
+    )
+    assert got["deployment_id"] == expected
+
+
+def test_traffic_is_refused_for_counterfactual_replays_without_live_and_for_unregistered_sources():
+    common = dict(source="lab", experiment="main", round_=4, live=_dep(2), registered={})
+    with pytest.raises(ValueError, match="counterfactual"):
+        traffic_deployment(schedule="sync", counterfactual=True, **common)
+    with pytest.raises(ValueError, match="main-r000002, which is not registered"):
+        traffic_deployment(schedule="async1", counterfactual=False, **common)
+    with pytest.raises(ValueError, match="no live deployment"):
+        traffic_deployment(schedule="sync", counterfactual=False, **{**common, "live": None})
+
+
+def test_the_parent_is_the_serving_checkpoint_in_sync_and_the_previous_round_otherwise():
+    common = dict(experiment="main", round_=3, served_checkpoint="main-r000001")
+    assert parent_checkpoint(schedule="sync", counterfactual=False, **common) == "main-r000001"
+    assert parent_checkpoint(schedule="async1", counterfactual=False, **common) == "main-r000002"
+    assert parent_checkpoint(schedule="sync", counterfactual=True, **common) == "main-r000002"
+    assert parent_checkpoint(schedule="async1", counterfactual=False, **{**common, "round_": 1}) == "base"
+
+
+def test_live_moves_forward_only_after_a_passed_gate_and_never_for_a_counterfactual():
+    live = _dep(2)
+    assert goes_live(gate_passed=True, counterfactual=False, round_=3, candidate="main-r000003", live=live)
+    assert not goes_live(gate_passed=False, counterfactual=False, round_=3, candidate="main-r000003", live=live)
+    assert not goes_live(gate_passed=True, counterfactual=True, round_=3, candidate="cf-r000003", live=live)
+    # a round finishing after a later one (or a replay of an old round) never moves live back
+    assert not goes_live(gate_passed=True, counterfactual=False, round_=1, candidate="main-r000001", live=live)
+    assert goes_live(gate_passed=True, counterfactual=False, round_=2, candidate="main-r000002", live=live)
