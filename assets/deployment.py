@@ -77,7 +77,9 @@ def _deployment_round(
         lab.gate_margin,
         lab.gate_confidence,
     )
-    if goes_live(gate_passed=gate.passed, counterfactual=lab.counterfactual, round_=k, candidate=dep_id, live=live):
+    if goes_live(
+        gate_passed=gate.passed, counterfactual=lab.counterfactual, round_=k, candidate=dep_id, live=live
+    ):
         tables.set_live(dep_id)
     context.log.info(f"round {k}: {gate.reason()}; live is {tables.live_deployment()['deployment_id']}")
     return MaterializeResult(

@@ -13,7 +13,10 @@ def _dep(k: int) -> dict:
 
 def test_sync_starts_a_round_once_the_previous_one_is_deployed():
     assert start_blocker("sync", 0, {}) is None
-    assert "round 2 is still in flight" == start_blocker("sync", 2, {1: {"advantages", "deployment"}, 2: {"advantages"}})
+    assert (
+        start_blocker("sync", 2, {1: {"advantages", "deployment"}, 2: {"advantages"}})
+        == "round 2 is still in flight"
+    )
     assert start_blocker("sync", 2, {2: {"advantages", "deployment"}}) is None
 
 
@@ -73,8 +76,12 @@ def test_the_parent_is_the_serving_checkpoint_in_sync_and_the_previous_round_oth
 def test_live_moves_forward_only_after_a_passed_gate_and_never_for_a_counterfactual():
     live = _dep(2)
     assert goes_live(gate_passed=True, counterfactual=False, round_=3, candidate="main-r000003", live=live)
-    assert not goes_live(gate_passed=False, counterfactual=False, round_=3, candidate="main-r000003", live=live)
+    assert not goes_live(
+        gate_passed=False, counterfactual=False, round_=3, candidate="main-r000003", live=live
+    )
     assert not goes_live(gate_passed=True, counterfactual=True, round_=3, candidate="cf-r000003", live=live)
     # a round finishing after a later one (or a replay of an old round) never moves live back
-    assert not goes_live(gate_passed=True, counterfactual=False, round_=1, candidate="main-r000001", live=live)
+    assert not goes_live(
+        gate_passed=True, counterfactual=False, round_=1, candidate="main-r000001", live=live
+    )
     assert goes_live(gate_passed=True, counterfactual=False, round_=2, candidate="main-r000002", live=live)

@@ -2,7 +2,13 @@
 
 from datetime import UTC, datetime
 
-from dagster import AssetMaterialization, DagsterInstance, build_sensor_context, instance_for_test, materialize
+from dagster import (
+    AssetMaterialization,
+    DagsterInstance,
+    build_sensor_context,
+    instance_for_test,
+    materialize,
+)
 
 from assets.base_model import base_model
 from assets.sensors import round_sensor
@@ -118,7 +124,9 @@ def test_async1_starts_the_next_collection_while_the_previous_round_trains(tmp_p
         instance.report_runless_asset_event(AssetMaterialization("trajectories", partition="r000001"))
         instance.report_runless_asset_event(AssetMaterialization("advantages", partition="r000001"))
         result, cursor = _tick(instance, resources, cursor)
-        assert not result.run_requests and "7/8 scored trajectories from base" in result.skip_reason.skip_message
+        assert (
+            not result.run_requests and "7/8 scored trajectories from base" in result.skip_reason.skip_message
+        )
         tables.append("landing_feedback", [_feedback("t15")])
         result, cursor = _tick(instance, resources, cursor)
         assert result.run_requests[0].partition_key == "r000002"
