@@ -1,4 +1,5 @@
-"""`python -m prodrl_pipeline.gateway`: serve the live deployment (or a named one) and record.
+"""`python -m prodrl_pipeline.gateway`: serve the live deployment (following the live pointer as it
+moves) or a named one, and record every call.
 
     python -m prodrl_pipeline.gateway --root .prodrl --port 8000
 API keys come from the environment: PRODRL_API_KEYS and PRODRL_FEEDBACK_KEYS (comma-separated;
@@ -10,23 +11,48 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
-from transformers import AutoConfig
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.engine.vllm import VLLMEngine
 from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.gateway.app import create_app
 from prodrl_pipeline.gateway.batcher import BatchingEngine
+from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower, Loaded, smoke_check
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.serving import GatewayConfig, Serving, expire_unscored
 from prodrl_pipeline.gateway.sessions import SessionIndex
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup
 from prodrl_pipeline.records.store import DeltaStore
+
+
+def embedded_loader(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> Callable[[dict], Loaded]:
+    """Loads a registry row's export into the embedded engine, smoke-checked."""
+
+    def load(row: dict) -> Loaded:
+        engine = TorchEngine(
+            load_deployment(row["path"]),
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            args.top_logprobs,
+            args.extra_samples,
+        )
+        batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
+        loaded = Loaded(row["deployment_id"], batcher, engine.model.config.max_position_embeddings)
+        try:
+            smoke_check(loaded, tokenizer.eos_token_id)
+        except Exception:
+            batcher.close()
+            raise
+        return loaded
+
+    return load
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:
@@ -38,22 +64,19 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             f"no live deployment under {args.root}: run `make demo` (or name one with --deployment)"
         )
     tokenizer = load_tokenizer(args.tokenizer)
-    config = AutoConfig.from_pretrained(deployment["path"])
     if args.engine == "vllm":
+        config = AutoConfig.from_pretrained(deployment["path"])
         engine = VLLMEngine(
             args.vllm_url, args.vllm_model or deployment["path"], config.vocab_size, args.top_logprobs
         )
+        batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
+        first = Loaded(deployment["deployment_id"], batcher, config.max_position_embeddings)
+        load = None  # a vLLM deployment moves blue/green: a second server (docs/gateway.md)
     else:
-        engine = TorchEngine(
-            load_deployment(deployment["path"]),
-            tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
-            args.top_logprobs,
-            args.extra_samples,
-        )
+        load = embedded_loader(args, tokenizer)
+        first = load(deployment)
     keys = lambda name: tuple(k for k in os.environ.get(name, "").split(",") if k)  # noqa: E731
     cfg = GatewayConfig(
-        deployment_id=deployment["deployment_id"],
         serve_keys=keys("PRODRL_API_KEYS"),
         feedback_keys=keys("PRODRL_FEEDBACK_KEYS"),
         max_body_bytes=args.max_body_bytes,
@@ -71,14 +94,30 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         fsync=args.fsync,
     )
     landing.tick = lambda: expire_unscored(landing, sessions)
-    batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
-    return create_app(Serving(cfg, batcher, tokenizer, landing, sessions, config.max_position_embeddings))
+    deployments = Deployments(first, drain_seconds=args.drain_seconds)
+    follows = load is not None and not args.deployment and args.follow_seconds > 0
+    follower = LiveFollower(store, deployments, load, args.follow_seconds) if follows else None
+    return create_app(Serving(cfg, deployments, tokenizer, landing, sessions, follower))
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=".prodrl", help="store root: tables/ (registry, landing) and spool/")
-    p.add_argument("--deployment", help="deployment id to serve (default: the live one)")
+    p.add_argument(
+        "--deployment", help="deployment id to serve, and keep serving (default: follow the live one)"
+    )
+    p.add_argument(
+        "--follow-seconds",
+        type=float,
+        default=2.0,
+        help="poll the live pointer this often and switch to the new live deployment (0: never)",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=60.0,
+        help="after a switch, the old deployment serves the trajectories it started this long",
+    )
     p.add_argument("--tokenizer", default="data/tokenizer")
     p.add_argument(
         "--engine",

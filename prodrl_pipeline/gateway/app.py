@@ -43,7 +43,7 @@ from prodrl_pipeline.gateway.serving import CALL_HEADER, TRAJECTORY_HEADER, Serv
 
 def create_app(serving: Serving) -> FastAPI:
     """The routes over `serving` (its engine, tokenizer, landing log and sessions)."""
-    cfg, engine, tokenizer = serving.cfg, serving.engine, serving.tokenizer
+    cfg, tokenizer, deployments = serving.cfg, serving.tokenizer, serving.deployments
     landing, sessions, metrics = serving.landing, serving.sessions, serving.metrics
     started = int(time.time())
 
@@ -52,10 +52,14 @@ def create_app(serving: Serving) -> FastAPI:
         if landing:
             landing.start()
             sessions.load(landing.store)
+        if serving.follower:
+            serving.follower.start()
         yield
+        if serving.follower:
+            serving.follower.stop()
         if landing:
             landing.stop()
-        engine.close()
+        deployments.close()
 
     app = FastAPI(title="prodrl capture gateway", lifespan=lifespan)
 
@@ -66,8 +70,6 @@ def create_app(serving: Serving) -> FastAPI:
         max_body_bytes=cfg.max_body_bytes,
         count=lambda outcome: metrics.counts.update([outcome]),
     )
-
-    names = (cfg.deployment_id, *cfg.model_aliases)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -86,7 +88,7 @@ def create_app(serving: Serving) -> FastAPI:
 
     def model_error(name: str) -> JSONResponse:
         metrics.counts["404"] += 1
-        message = f"The model `{name}` does not exist; this gateway serves {', '.join(names)}"
+        message = f"The model `{name}` does not exist; this gateway serves {', '.join(serving.names())}"
         return error_response(404, message, "model", "model_not_found")
 
     def room() -> None:
@@ -97,7 +99,9 @@ def create_app(serving: Serving) -> FastAPI:
     async def healthz() -> dict:
         return {
             "status": "ok",
-            "deployment_id": cfg.deployment_id,
+            "deployment_id": deployments.current.deployment_id,
+            "draining": deployments.draining(),
+            "follow_error": deployments.last_error,
             "pending_records": landing.pending if landing else 0,
         }
 
@@ -111,6 +115,10 @@ def create_app(serving: Serving) -> FastAPI:
                 "expired_trajectories": sessions.n_expired,
                 "prefix_extends_total": metrics.prefix["extends"],
                 "prefix_breaks_total": metrics.prefix["breaks"],
+                "deployments_loaded": len(deployments.ids()),
+                "deployment_switches_total": deployments.switches,
+                "deployment_load_failures_total": deployments.load_failures,
+                "calls_moved_deployment_total": metrics.moved,
             }
         )
 
@@ -119,17 +127,17 @@ def create_app(serving: Serving) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(n) for n in names]}
+        return {"object": "list", "data": [model_card(n) for n in serving.names()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        return model_card(model_id) if model_id in names else model_error(model_id)
+        return model_card(model_id) if model_id in serving.names() else model_error(model_id)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, req: ChatRequest, x_prodrl_trajectory_id: str | None = Header(None)):
         room()
         req.check()
-        if req.model is not None and req.model not in names:
+        if req.model is not None and req.model not in serving.names():
             return model_error(req.model)
         if req.parallel_tool_calls is False and req.tool_choice in (None, "auto"):
             raise ParamError(
@@ -143,8 +151,6 @@ def create_app(serving: Serving) -> FastAPI:
             prompt_ids = await asyncio.to_thread(render_ids, tokenizer, messages, tools=req.tools)
         except Exception as e:  # a template error is the request's fault
             raise ParamError("messages", f"messages do not render with the chat template: {e}") from e
-        params = serving.sampling(prompt_ids, req, "messages")
-        constraint = await serving.constraint(req)
         json_reply = req.response_format is not None and req.response_format.type != "text"
         headers = {TRAJECTORY_HEADER: tid, CALL_HEADER: call_id}
         ids = {"trajectory_id": tid, "call_id": call_id, "prompt_token_ids": prompt_ids}
@@ -165,16 +171,20 @@ def create_app(serving: Serving) -> FastAPI:
             )
             return message, finish, logprobs
 
-        if req.stream:
-            return StreamingResponse(
-                serving.stream_chat(
-                    req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply
-                ),
-                media_type="text/event-stream",
-                headers=headers,
-            )
+        with serving.leased(tid, req.model) as dep:  # the deployment stays open until submitted
+            params = serving.sampling(dep, prompt_ids, req, "messages")
+            constraint = await serving.constraint(dep, req)
+            if req.stream:
+                return StreamingResponse(
+                    serving.stream_chat(
+                        dep, req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply
+                    ),
+                    media_type="text/event-stream",
+                    headers=headers,
+                )
+            future = serving.submit(dep, prompt_ids, params, req.stop, constraint)
         try:
-            c, seed = await asyncio.wrap_future(serving.submit(prompt_ids, params, req.stop, constraint))
+            c, seed = await asyncio.wrap_future(future)
         except ConstraintError as e:  # the request's grammar failed mid-way: nothing was recorded
             raise ParamError("response_format", str(e)) from e
         message, finish, logprobs = reply(c)
@@ -185,7 +195,7 @@ def create_app(serving: Serving) -> FastAPI:
                 "id": f"chatcmpl-{call_id}",
                 "object": "chat.completion",
                 "created": created,
-                "model": cfg.deployment_id,
+                "model": dep.deployment_id,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}],
                 "usage": usage(prompt_ids, c),
                 "prodrl": ids,
@@ -195,7 +205,7 @@ def create_app(serving: Serving) -> FastAPI:
         if await request.is_disconnected():  # nobody will receive it: not recorded
             metrics.counts["client_gone"] += 1
             return response
-        await serving.record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
+        await serving.record(dep, call_id, tid, prompt_ids, c, params, seed, messages + [message])
         return response
 
     @app.post("/v1/completions")
@@ -204,7 +214,7 @@ def create_app(serving: Serving) -> FastAPI:
     ):
         room()
         req.check()
-        if req.model is not None and req.model not in names:
+        if req.model is not None and req.model not in serving.names():
             return model_error(req.model)
         if req.stream:
             raise ParamError("stream", "stream is supported on /v1/chat/completions only")
@@ -215,8 +225,10 @@ def create_app(serving: Serving) -> FastAPI:
             if isinstance(req.prompt, list)
             else await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=False)
         )
-        params = serving.sampling(prompt_ids, req, "prompt")
-        c, seed = await asyncio.wrap_future(serving.submit(prompt_ids, params, req.stop))
+        with serving.leased(tid, req.model) as dep:
+            params = serving.sampling(dep, prompt_ids, req, "prompt")
+            future = serving.submit(dep, prompt_ids, params, req.stop)
+        c, seed = await asyncio.wrap_future(future)
         text = text_of(tokenizer, c)
         if c.finish_reason == "stop":
             text = cut_at_stop(text, req.stop)
@@ -240,7 +252,7 @@ def create_app(serving: Serving) -> FastAPI:
                 "id": f"cmpl-{call_id}",
                 "object": "text_completion",
                 "created": int(time.time()),
-                "model": cfg.deployment_id,
+                "model": dep.deployment_id,
                 "choices": [choice],
                 "usage": usage(prompt_ids, c),
                 "prodrl": ids,
@@ -251,7 +263,7 @@ def create_app(serving: Serving) -> FastAPI:
             metrics.counts["client_gone"] += 1
             return response
         await serving.record(
-            call_id, tid, prompt_ids, c, params, seed, {"prompt": req.prompt, "completion": text}
+            dep, call_id, tid, prompt_ids, c, params, seed, {"prompt": req.prompt, "completion": text}
         )
         return response
 

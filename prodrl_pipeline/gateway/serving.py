@@ -10,7 +10,7 @@ import json
 import re
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -25,7 +25,7 @@ from prodrl_pipeline.engine.sampler import Completion
 from prodrl_pipeline.engine.sampler import Request as EngineRequest
 from prodrl_pipeline.envs.chat import TOOL_CALL_OPEN
 from prodrl_pipeline.envs.tool_choice import required_tool_call
-from prodrl_pipeline.gateway.batcher import BatchingEngine
+from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower, Loaded
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.protocol import ChatRequest, ParamError, SamplingFields
 from prodrl_pipeline.gateway.responses import Ending, TokenFeed, chat_stream, stop_at, usage
@@ -39,10 +39,8 @@ TRAJECTORY_ID = re.compile(r"[A-Za-z0-9_.:-]{1,256}")  # safe in headers, paths 
 class GatewayConfig:
     """How the gateway serves and records."""
 
-    deployment_id: str
-    """The deployment served (recorded on every call; `model` in responses)."""
     model_aliases: tuple[str, ...] = ("live",)
-    """Other names a request's `model` may give for the served deployment."""
+    """Names a request's `model` may give for the current deployment (besides loaded ids)."""
     serve_keys: tuple[str, ...] = ()
     """API keys accepted on the serving endpoints (empty: no key needed)."""
     feedback_keys: tuple[str, ...] = ()
@@ -60,6 +58,8 @@ class Metrics:
     counts: Counter = field(default_factory=Counter)
     prefix: Counter = field(default_factory=Counter)
     """Later calls of a trajectory whose prompt extends / breaks its previous prompt + completion."""
+    moved: int = 0
+    """Calls served by another deployment than their trajectory's first (it had drained)."""
 
     def render(self, gauges: dict[str, float]) -> str:
         lines = [
@@ -70,20 +70,38 @@ class Metrics:
 
 
 class Serving:
-    """The engine, tokenizer, landing log and sessions one gateway serves with."""
+    """The deployments, tokenizer, landing log and sessions one gateway serves with; `follower`
+    (when set) moves the deployments along the registry's live pointer."""
 
     def __init__(
         self,
         cfg: GatewayConfig,
-        engine: BatchingEngine,
+        deployments: Deployments,
         tokenizer: PreTrainedTokenizerBase,
         landing: LandingLog | None,
         sessions: SessionIndex,
-        max_positions: int,
+        follower: LiveFollower | None = None,
     ):
-        self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
-        self.landing, self.sessions, self.max_positions = landing, sessions, max_positions
+        self.cfg, self.deployments, self.tokenizer = cfg, deployments, tokenizer
+        self.landing, self.sessions, self.follower = landing, sessions, follower
         self.metrics = Metrics()
+
+    def names(self) -> list[str]:
+        """What a request's `model` may name: loaded deployment ids, then the aliases."""
+        return [*self.deployments.ids(), *self.cfg.model_aliases]
+
+    @contextlib.contextmanager
+    def leased(self, tid: str, model: str | None) -> Iterator[Loaded]:
+        """The deployment serving this call (docs: gateway.md), held open until the block ends:
+        end it once the call is submitted to the deployment's engine."""
+        pinned = self.sessions.pinned(tid)
+        loaded = self.deployments.acquire(None if model in self.cfg.model_aliases else model, pinned)
+        try:
+            self.sessions.pin(tid, loaded.deployment_id)
+            self.metrics.moved += pinned is not None and pinned != loaded.deployment_id
+            yield loaded
+        finally:
+            self.deployments.release(loaded)
 
     def open_trajectory(self, req: SamplingFields, header: str | None, call_id: str) -> str:
         """The call's trajectory id, refused (409) when that trajectory expired unscored."""
@@ -111,30 +129,31 @@ class Serving:
             return tid
         return call_id
 
-    def sampling(self, prompt_ids: list[int], req: SamplingFields, prompt_param: str) -> SamplingParams:
+    def sampling(
+        self, dep: Loaded, prompt_ids: list[int], req: SamplingFields, prompt_param: str
+    ) -> SamplingParams:
         """The call's sampling parameters, once the prompt and every parameter are checked against
-        the model and the engine (ParamError otherwise)."""
-        room = self.max_positions - len(prompt_ids)
+        the deployment's model and engine (ParamError otherwise)."""
+        engine = dep.engine.engine
+        room = dep.max_positions - len(prompt_ids)
         asked = req.max_completion_tokens or req.max_tokens
         if room < 1 or (asked is not None and asked > room):
             wanted = f" + max_tokens ({asked})" if asked is not None else ""
             raise ParamError(
                 prompt_param if asked is None else "max_tokens",
-                f"the prompt ({len(prompt_ids)} tokens){wanted} exceeds the {self.max_positions} positions",
+                f"the prompt ({len(prompt_ids)} tokens){wanted} exceeds the {dep.max_positions} positions",
             )
-        vocab = self.engine.engine.vocab_size
+        vocab = engine.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ParamError(prompt_param, f"prompt token ids must be in [0, {vocab})")
-        if req.stop and "on_token" not in self.engine.engine.honours:
+        if req.stop and "on_token" not in engine.honours:
             raise ParamError("stop", "stop strings are not supported by this gateway's engine yet")
         shown = getattr(req, "top_logprobs", None) or getattr(req, "logprobs", None)
-        if isinstance(shown, int) and not isinstance(shown, bool) and shown > self.engine.engine.top_logprobs:
+        if isinstance(shown, int) and not isinstance(shown, bool) and shown > engine.top_logprobs:
             param = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
-            raise ParamError(
-                param, f"this gateway records the top {self.engine.engine.top_logprobs} log-probs"
-            )
+            raise ParamError(param, f"this gateway records the top {engine.top_logprobs} log-probs")
         bias = tuple(sorted((int(t), float(b)) for t, b in (req.logit_bias or {}).items()))
-        if bias and "logit_bias" not in self.engine.engine.honours:
+        if bias and "logit_bias" not in engine.honours:
             raise ParamError("logit_bias", "logit_bias is not supported by this gateway's engine yet")
         if any(t >= vocab for t, _ in bias):
             raise ParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
@@ -149,6 +168,7 @@ class Serving:
 
     def submit(
         self,
+        dep: Loaded,
         prompt_ids: list[int],
         params: SamplingParams,
         stops: list[str] | None,
@@ -159,10 +179,11 @@ class Serving:
         after every token on the engine thread; it or a stop string returning True ends it."""
         hooks = [h for h in (observe, stop_at(self.tokenizer, stops) if stops else None) if h]
         on_token = (lambda ids: any([h(ids) for h in hooks])) if hooks else None  # noqa: E731 - every hook sees every token
-        return self.engine.submit(EngineRequest(prompt_ids, params, constraint=constraint, on_token=on_token))
+        return dep.engine.submit(EngineRequest(prompt_ids, params, constraint=constraint, on_token=on_token))
 
     async def record(
         self,
+        dep: Loaded,
         call_id: str,
         tid: str,
         prompt_ids: list[int],
@@ -186,7 +207,7 @@ class Serving:
                 "call_id": call_id,
                 "trajectory_id": tid,
                 "call_index": index,
-                "deployment_id": self.cfg.deployment_id,
+                "deployment_id": dep.deployment_id,
                 "prompt_token_ids": prompt_ids,
                 "completion_token_ids": c.token_ids,
                 "completion_logprobs": c.logprobs,
@@ -195,7 +216,7 @@ class Serving:
                 "support_size": c.support_size,
                 "support_token_ids": c.support_ids,
                 "extra_token_ids": c.extra_ids,
-                "vocab_size": self.engine.engine.vocab_size,
+                "vocab_size": dep.engine.engine.vocab_size,
                 "sampling": params.recorded(seed),
                 "finish_reason": c.finish_reason,
                 "messages_json": json.dumps(messages),
@@ -203,13 +224,13 @@ class Serving:
             },
         )
 
-    async def constraint(self, req: ChatRequest) -> Constraint | None:
+    async def constraint(self, dep: Loaded, req: ChatRequest) -> Constraint | None:
         """The structured output a chat call asks for: JSON (`response_format`), or the call
         `tool_choice` required or named asks for (None for auto and none: as vLLM does, `none`
         keeps the tools in the prompt and returns the text as content). Compiled off the loop."""
         fmt, choice = req.response_format, req.tool_choice
         if fmt is not None and fmt.type != "text":
-            if "response_format" not in self.engine.engine.honours:
+            if "response_format" not in dep.engine.engine.honours:
                 raise ParamError("response_format", "JSON replies are not supported by this engine yet")
             schema = fmt.json_schema.schema_ if fmt.json_schema else None
             try:
@@ -220,7 +241,7 @@ class Serving:
                 raise ParamError("response_format", str(e)) from e
         if choice is None or choice in ("none", "auto"):
             return None
-        if "tool_choice" not in self.engine.engine.honours:
+        if "tool_choice" not in dep.engine.engine.honours:
             raise ParamError(
                 "tool_choice", "required or named tool calls are not supported by this engine yet"
             )
@@ -232,14 +253,16 @@ class Serving:
         except ValueError as e:
             raise ParamError("tool_choice", str(e)) from e
 
-    def stream_chat(self, req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply):  # noqa: ANN001, ANN202, PLR0913
+    def stream_chat(
+        self, dep, req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply
+    ):  # noqa: ANN001, ANN202, PLR0913
         """The SSE body of a streamed chat call: tokens as the engine produces them (an engine
         without per-token callbacks streams its finished completion); the call is recorded when
         its completion is done, before the last chunks; a client that leaves ends the generation
         at the next token and nothing is recorded."""
         tokens = TokenFeed(asyncio.get_running_loop())
         gone = threading.Event()
-        live = "on_token" in self.engine.engine.honours
+        live = "on_token" in dep.engine.engine.honours
 
         def observe(ids_so_far: list[int]) -> bool:
             try:
@@ -248,7 +271,7 @@ class Serving:
                 return True
             return gone.is_set()
 
-        future = self.submit(prompt_ids, params, req.stop, constraint, observe if live else None)
+        future = self.submit(dep, prompt_ids, params, req.stop, constraint, observe if live else None)
 
         def finished(f: Future) -> None:
             done = [] if live or f.cancelled() or f.exception() else f.result()[0].token_ids
@@ -264,7 +287,7 @@ class Serving:
                 self.metrics.counts["engine_error"] += 1
             c, seed = future.result()
             message, finish, logprobs = reply(c)
-            await self.record(call_id, tid, prompt_ids, c, params, seed, messages + [message])
+            await self.record(dep, call_id, tid, prompt_ids, c, params, seed, messages + [message])
             self.metrics.counts["chat"] += 1
             ids["token_ids"] = c.token_ids
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -277,7 +300,7 @@ class Serving:
 
         return chat_stream(
             self.tokenizer,
-            self.cfg.deployment_id,
+            dep.deployment_id,
             call_id,
             created,
             ids,

@@ -26,6 +26,8 @@ class Session:
     expired: bool = False
     served: tuple[int, bytes] | None = None
     """Length and digest of the last call's prompt + completion ids (this process's calls only)."""
+    deployment: str | None = None
+    """The deployment this process routed the trajectory's first call to."""
 
 
 def _digest(ids: list[int]) -> bytes:
@@ -75,6 +77,17 @@ class SessionIndex:
         with self._lock:
             s = self._sessions.get(trajectory_id)
             return bool(s and s.expired)
+
+    def pinned(self, trajectory_id: str) -> str | None:
+        with self._lock:
+            s = self._sessions.get(trajectory_id)
+            return s.deployment if s else None
+
+    def pin(self, trajectory_id: str, deployment_id: str) -> None:
+        """Remember the deployment of the trajectory's first call (later calls keep the first)."""
+        with self._lock:
+            s = self._sessions.setdefault(trajectory_id, Session())
+            s.deployment = s.deployment or deployment_id
 
     def follow(self, trajectory_id: str, prompt_ids: list[int], completion_ids: list[int]) -> bool | None:
         """Does this call's prompt extend the trajectory's previous call's prompt + completion
