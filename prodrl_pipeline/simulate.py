@@ -48,6 +48,8 @@ class SimulationConfig:
     reward_delay: float = 0.5
     """Seconds between an episode's end and its reward being due (plus a random extra of up to
     the same again)."""
+    think_seconds: float = 0.0
+    """A user pauses up to this long (uniformly drawn) before each episode, as between tasks."""
     max_tokens: int = 64
     seed: int = 0
     model: str = "live"
@@ -55,8 +57,10 @@ class SimulationConfig:
     """Trajectory ids are `{prefix}-{run}-{episode}`, `run` drawn fresh for each run."""
 
     def __post_init__(self) -> None:
-        if self.users < 1 or self.episodes < 1 or self.max_seconds <= 0 or self.reward_delay < 0:
-            raise ValueError("need users >= 1, episodes >= 1, max_seconds > 0 and reward_delay >= 0")
+        if self.users < 1 or self.episodes < 1 or self.max_seconds <= 0:
+            raise ValueError("need users >= 1, episodes >= 1 and max_seconds > 0")
+        if self.reward_delay < 0 or self.think_seconds < 0:
+            raise ValueError("reward_delay and think_seconds are seconds >= 0")
 
 
 @dataclass
@@ -100,9 +104,10 @@ async def simulate(
     puzzles: Sequence[Puzzle],
     cfg: SimulationConfig,
     progress: Callable[[SimulationReport], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> SimulationReport:
     """Play `cfg.episodes` of `puzzles` against the gateway at `url` (its base, without /v1);
-    `progress` sees the report after each episode. Calls are not retried (a retried call would be
+    `progress` sees the report after each episode; once `stop()` is true no episode starts. Calls are not retried (a retried call would be
     recorded twice); a failed episode is reported and left unrewarded, as a user who gives up."""
     check_loopback(url)
     url = url.rstrip("/").removesuffix("/v1")
@@ -145,7 +150,10 @@ async def simulate(
             progress(report)
 
     async def user() -> None:
-        while todo:
+        while todo and not (stop and stop()):
+            await asyncio.sleep(cfg.think_seconds * rng.random())  # a user between tasks
+            if not todo:
+                return
             i, puzzle = todo.pop(0)
             tid = f"{cfg.prefix}-{run}-{i}"
             try:
@@ -207,9 +215,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL (loopback)")
     p.add_argument("--data", default="data", help="lab data folder (puzzles)")
-    p.add_argument("--split", default="heldout", choices=["train", "heldout"])
+    p.add_argument(
+        "--split",
+        default="train",
+        choices=["train", "heldout"],
+        help="puzzles played (train: what rounds may learn from; heldout is what the deploy gate measures)",
+    )
     defaults = SimulationConfig()
-    for name in ("users", "episodes", "max_seconds", "reward_delay", "max_tokens", "seed", "model", "prefix"):
+    names = ("users", "episodes", "max_seconds", "reward_delay", "think_seconds", "max_tokens", "seed")
+    for name in (*names, "model", "prefix"):
         value = getattr(defaults, name)
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = p.parse_args()

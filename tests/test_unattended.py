@@ -1,0 +1,225 @@
+"""Production mode, unattended: the Dagster daemon with `round_sensor` on, the capture gateway
+following the live pointer, and simulated users playing through the real `openai` client. Nobody
+acts: rounds start, train, deploy and go live by themselves, the gateway follows, and the landing
+tables account for every call and reward exactly once."""
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+from dagster import AssetKey, DagsterInstance, DagsterRunStatus, RunsFilter
+
+from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
+from prodrl_pipeline.gateway.process import GatewayProcess
+from prodrl_pipeline.records.store import DeltaStore
+from prodrl_pipeline.simulate import SimulationConfig, SimulationReport, simulate
+from tests.gateway.conftest import FEEDBACK_KEY, SERVE_KEY
+from tests.test_pipeline import TINY
+
+REPO = Path(__file__).resolve().parent.parent
+DAGSTER = [sys.executable, "-m", "dagster"]
+
+
+@dataclass
+class Run:
+    """What an unattended run left behind."""
+
+    report: SimulationReport
+    store: DeltaStore
+    instance_home: Path
+    seconds: float
+    rows: list[dict] = field(default_factory=list)
+    """Per round: traffic served by, live after, held-out rate, calls lost / duplicated."""
+
+
+def _settings(tmp: Path, schedule: str, lab: dict) -> Path:
+    path = tmp / "production.yaml"
+    settings = {
+        "lab": {
+            **TINY,
+            "source": "production",
+            "schedule": schedule,
+            "data_dir": str(REPO / "data"),
+            **lab,
+        },
+        "store": {"root": str(tmp / "store")},
+        "sensor": {"minimum_interval_seconds": 1},
+    }
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
+def _wait_for_rounds(
+    instance: DagsterInstance, rounds: int, deadline: float, daemon: subprocess.Popen
+) -> None:
+    """Until round `rounds` is reported and no run is in flight; fails on a failed run."""
+    target = f"r{rounds:06d}"
+    while True:
+        failed = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.FAILURE]))
+        assert not failed, f"run {failed[0].run_id} ({failed[0].tags.get('dagster/partition')}) failed"
+        in_flight = instance.get_runs(
+            RunsFilter(
+                statuses=[DagsterRunStatus.QUEUED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
+            )
+        )
+        if target in instance.get_materialized_partitions(AssetKey("eval_report")) and not in_flight:
+            return
+        assert daemon.poll() is None, "the daemon exited"
+        assert time.monotonic() < deadline, f"round {target} was not reported in time"
+        time.sleep(1)  # polling the instance's state, with a deadline
+
+
+def run_unattended(tmp: Path, rounds: int, schedule: str = "sync", timeout: float = 600, **lab) -> Run:
+    """Start everything, wait for `rounds` rounds, stop everything; the simulator stops starting
+    episodes once the last round has taken its traffic (so no further round can start)."""
+    t0 = time.monotonic()
+    home = tmp / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "PRODRL_SETTINGS": str(_settings(tmp, schedule, lab)),
+        "PYTHONPATH": str(REPO),
+    }
+    location = ["-w", str(REPO / "workspace.yaml")]
+    quiet = {"cwd": REPO, "env": env, "capture_output": True, "text": True, "timeout": 600}
+    built = subprocess.run(
+        [*DAGSTER, "asset", "materialize", "-m", "assets.definitions", "--select", "base_model"], **quiet
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    started = subprocess.run([*DAGSTER, "sensor", "start", "round_sensor", *location], **quiet)
+    assert started.returncode == 0, started.stderr[-3000:]
+
+    store_root = tmp / "store"
+    keys = {"PRODRL_API_KEYS": SERVE_KEY, "PRODRL_FEEDBACK_KEYS": FEEDBACK_KEY}
+    gateway = GatewayProcess(
+        store_root, "--follow-seconds", "0.5", "--drain-seconds", "2", "--flush-seconds", "0.2", env=keys
+    ).start()
+    with (tmp / "daemon.log").open("w") as log:
+        daemon = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster-daemon"), "run", *location],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    instance = DagsterInstance.from_config(str(home))
+    last_taken = AssetKey("trajectories")
+    stop = lambda: f"r{rounds:06d}" in instance.get_materialized_partitions(last_taken)  # noqa: E731
+    puzzles = list(iter_lab_puzzles(REPO / "data", "train"))
+    cfg = SimulationConfig(
+        users=2, episodes=len(puzzles), max_seconds=timeout, reward_delay=0.2, think_seconds=1.0, seed=1
+    )
+    result: dict = {}
+    simulator = threading.Thread(
+        target=lambda: result.update(
+            report=asyncio.run(simulate(gateway.url, SERVE_KEY, FEEDBACK_KEY, puzzles, cfg, stop=stop))
+        )
+    )
+    simulator.start()
+    try:
+        _wait_for_rounds(instance, rounds, t0 + timeout, daemon)
+        simulator.join(timeout=120)
+        assert "report" in result, "the simulator did not finish"
+        live = DeltaStore(store_root / "tables").live_deployment()["deployment_id"]
+        deadline = time.monotonic() + 60
+        while gateway_health(gateway)["deployment_id"] != live:  # the gateway follows the last move too
+            assert time.monotonic() < deadline, "the gateway did not follow the last live move"
+            time.sleep(0.1)
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+        gateway.stop()
+        instance.dispose()
+    return Run(result["report"], DeltaStore(store_root / "tables"), home, time.monotonic() - t0)
+
+
+def gateway_health(gateway: GatewayProcess) -> dict:
+    import httpx
+
+    return httpx.get(f"{gateway.url}/healthz", timeout=5).json()
+
+
+def _account(run: Run, rounds: int) -> None:
+    """Everything the simulator sent is in the landing tables exactly once, and every round's rows
+    are the landing rows of the trajectories it took; fills `run.rows`."""
+    store, report = run.store, run.report
+    assert not [e for e in report.errors if not e.startswith("stopped after")], report.errors[:5]
+    landed = store.read("landing_calls").to_pylist()
+    ids = Counter(c["call_id"] for c in landed)
+    assert len(landed) == report.calls and max(ids.values()) == 1  # nothing lost, nothing doubled
+    feedback = store.read("landing_feedback").to_pylist()
+    assert sorted(f["trajectory_id"] for f in feedback) == sorted(report.rewarded)
+    by_call = {c["call_id"]: c for c in landed}
+    taken: Counter = Counter()
+    deployments = {d["round"]: d for d in store.read("deployments").to_pylist()}
+    live_after = {}
+    for k in range(1, rounds + 1):
+        trajs = store.read("trajectories", k).to_pylist()
+        calls = store.read("calls", k).to_pylist()
+        taken.update(t["trajectory_id"] for t in trajs)
+        served_by = {t["deployment_id"] for t in trajs}
+        assert len(served_by) == 1, f"round {k} mixes deployments {served_by}"
+        (dep,) = served_by
+        for c in calls:  # each round's call is its landing row, attributed to its server
+            assert by_call[c["call_id"]]["deployment_id"] == c["deployment_id"] == dep
+            assert by_call[c["call_id"]]["completion_token_ids"] == c["completion_token_ids"]
+        expected = sum(1 for c in landed if c["trajectory_id"] in {t["trajectory_id"] for t in trajs})
+        assert len(calls) == expected
+        assert all(t["reward"] == report.rewards[t["trajectory_id"]] for t in trajs)
+        rate = (
+            store.query(
+                f"SELECT avg(CAST(solved AS DOUBLE)) AS r FROM eval_results WHERE deployment_id = '{deployments[k]['deployment_id']}'",
+                ["eval_results"],
+            )
+            .column("r")[0]
+            .as_py()
+        )
+        live_after[k] = deployments[k]["deployment_id"]
+        run.rows.append(
+            {
+                "round": k,
+                "traffic served by": dep,
+                "trajectories": len(trajs),
+                "calls": len(calls),
+                "held-out rate (candidate)": round(rate, 3),
+                "lost": expected - len(calls),
+                "duplicated": len(calls) - len({c["call_id"] for c in calls}),
+            }
+        )
+    assert max(taken.values()) == 1  # no trajectory trained twice
+
+
+def _print(run: Run, schedule: str) -> None:
+    print(
+        f"\nunattended {schedule} run: {len(run.rows)} rounds in {run.seconds:.0f} s; "
+        f"{run.report.episodes} episodes, {run.report.calls} calls, {run.report.rewards_posted} rewards"
+    )
+    for row in run.rows:
+        print("  " + ", ".join(f"{k}: {v}" for k, v in row.items()))
+
+
+def test_three_production_rounds_run_by_themselves_and_account_for_every_call(tmp_path):
+    run = run_unattended(tmp_path, rounds=3, steps=2, batch_size=4, gate_margin=1.0)
+    _account(run, 3)
+    _print(run, "sync")
+    served = [r["traffic served by"] for r in run.rows]
+    assert served == ["base", "main-r000001", "main-r000002"]  # live moved each round, the gateway followed
+    assert run.store.live_deployment()["deployment_id"] == "main-r000003"
+    with DagsterInstance.from_config(str(run.instance_home)) as instance:
+        runs = instance.get_runs(RunsFilter(job_name="round_job"))
+        assert sorted(r.tags["dagster/partition"] for r in runs) == ["r000001", "r000002", "r000003"]
+        assert {r.status for r in runs} == {DagsterRunStatus.SUCCESS}
+    lags = [r["policy_lag_steps"] for r in run.store.read("train_steps").to_pylist()]
+    assert sorted(lags) == [0, 0, 0, 1, 1, 1]  # synchronous: the traffic's policy is the trained one's parent
