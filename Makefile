@@ -36,8 +36,8 @@ test-slow: install
 ui: install $(DAGSTER_HOME)/dagster.yaml  ## Dagster UI + daemon on http://127.0.0.1:3000 over the demo's instance
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
-serve: install  ## the capture gateway on http://127.0.0.1:8000 serving the live deployment (run `make demo` first)
-	$(BIN)/python -m prodrl_pipeline.gateway --root .prodrl --port 8000
+serve: install  ## the capture gateway on http://127.0.0.1:8000, following the live deployment (run `make demo` first)
+	$(BIN)/python -m resources.serve --port 8000
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

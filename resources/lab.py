@@ -157,8 +157,12 @@ class LabResource(ConfigurableResource):
             tokens=self.tokens,
         )
 
+    def tokenizer_path(self) -> str:
+        """The base checkpoint's tokenizer (production), else the lab's shipped one."""
+        return str(Path(self.base_checkpoint or Path(self.data_dir) / "tokenizer"))
+
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        return _tokenizer(str(Path(self.base_checkpoint or Path(self.data_dir) / "tokenizer")))
+        return _tokenizer(self.tokenizer_path())
 
     def puzzles(self, split: Literal["train", "warmup", "heldout"]) -> tuple[Puzzle, ...]:
         return _puzzles(self.data_dir, split)

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from resources.settings import resources_from_environment
+from resources.serve import gateway_args
+from resources.settings import resources_from_environment, settings_from_environment
 
 PRODUCTION = """
 lab:
@@ -72,3 +73,26 @@ def test_the_code_location_reads_the_settings_file(tmp_path):
         [sys.executable, "-c", code], env={**env, "PRODRL_SETTINGS": str(bad)}, capture_output=True, text=True
     )
     assert failed.returncode != 0 and "sorce" in failed.stderr
+
+
+def test_the_gateway_serves_the_settings_store_tokenizer_and_recorded_head(tmp_path):
+    path = tmp_path / "production.yaml"
+    path.write_text(
+        PRODUCTION.format(root=tmp_path / "store") + "  \nsensor:\n  minimum_interval_seconds: 5\n"
+    )
+    path.write_text(path.read_text().replace("gate_margin: 0.01", "gate_margin: 0.01\n  top_logprobs: 8"))
+    args = gateway_args({"PRODRL_SETTINGS": str(path)})
+    assert args == [
+        "--root",
+        str(tmp_path / "store"),
+        "--tokenizer",
+        "data/tokenizer",
+        "--top-logprobs",
+        "8",
+        "--extra-samples",
+        "0",
+    ]
+    assert settings_from_environment({"PRODRL_SETTINGS": str(path)})["sensor"].minimum_interval_seconds == 5
+    path.write_text("sensor:\n  minimum_interval_seconds: 0\n")
+    with pytest.raises(ValueError, match="minimum_interval_seconds"):
+        gateway_args({"PRODRL_SETTINGS": str(path)})
