@@ -78,9 +78,9 @@ def test_the_code_location_reads_the_settings_file(tmp_path):
 def test_the_gateway_serves_the_settings_store_tokenizer_and_recorded_head(tmp_path):
     path = tmp_path / "production.yaml"
     path.write_text(
-        PRODUCTION.format(root=tmp_path / "store") + "  \nsensor:\n  minimum_interval_seconds: 5\n"
+        f"lab:\n  source: production\n  top_logprobs: 8\nstore:\n  root: {tmp_path / 'store'}\n"
+        "sensor:\n  minimum_interval_seconds: 5\n"
     )
-    path.write_text(path.read_text().replace("gate_margin: 0.01", "gate_margin: 0.01\n  top_logprobs: 8"))
     args = gateway_args({"PRODRL_SETTINGS": str(path)})
     assert args == [
         "--root",
