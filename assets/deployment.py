@@ -77,10 +77,17 @@ def _deployment_round(
         lab.gate_margin,
         lab.gate_confidence,
     )
-    if goes_live(
-        gate_passed=gate.passed, counterfactual=lab.counterfactual, round_=k, candidate=dep_id, live=live
-    ):
-        tables.set_live(dep_id)
+    moved = tables.move_live(  # decided on the live row read in the same commit: never backwards
+        dep_id,
+        lambda now: goes_live(
+            gate_passed=gate.passed,
+            counterfactual=lab.counterfactual,
+            round_=k,
+            candidate=dep_id,
+            gated_against=live["deployment_id"],
+            live=now,
+        ),
+    )
     context.log.info(f"round {k}: {gate.reason()}; live is {tables.live_deployment()['deployment_id']}")
     return MaterializeResult(
         metadata={
@@ -89,6 +96,7 @@ def _deployment_round(
             "path": str(path),
             "quant_format": lab.quant_format,
             "previous_live": live["deployment_id"],
+            "moved_live": moved,
             "live_now": tables.live_deployment()["deployment_id"],
             "heldout_solve_rate": solve_rate(candidate),
             "export_bytes": sum(f.stat().st_size for f in path.iterdir()),

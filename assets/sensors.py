@@ -4,8 +4,10 @@ scored traffic of the live deployment has landed."""
 from dagster import (
     AddDynamicPartitionsRequest,
     AssetKey,
+    DagsterRunStatus,
     DefaultSensorStatus,
     RunRequest,
+    RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
@@ -44,7 +46,8 @@ def next_round(context: SensorEvaluationContext, store: StoreResource, lab: LabR
     for asset in (TRAFFIC_TAKEN, DEPLOYED):
         for key in context.instance.get_materialized_partitions(AssetKey(asset)):
             done.setdefault(round_number(key), set()).add(asset)
-    if blocker := start_blocker(lab.schedule, latest, done):
+    failed = [k for k in (latest - 1, latest) if k > 0 and _last_run_failed(context, round_key(k))]
+    if blocker := start_blocker(lab.schedule, latest, done, failed):
         return SkipReason(blocker)
     tables = store.tables()
     live = tables.live_deployment()
@@ -63,8 +66,21 @@ def next_round(context: SensorEvaluationContext, store: StoreResource, lab: LabR
             return SensorResult(
                 skip_reason=f"{n}/{need} scored trajectories from {live['deployment_id']}", cursor=cursor
             )
+    # production: the round snapshots the deployment counted, even if live moves before it runs
+    config = {"ops": {"trajectories": {"config": {"deployment_id": live["deployment_id"]}}}}
     return SensorResult(
-        run_requests=[RunRequest(run_key=nxt, partition_key=nxt)],
+        run_requests=[
+            RunRequest(
+                run_key=nxt, partition_key=nxt, run_config=config if lab.source == "production" else {}
+            )
+        ],
         dynamic_partitions_requests=[AddDynamicPartitionsRequest(rounds.name, [nxt])],
         cursor=cursor,
     )
+
+
+def _last_run_failed(context: SensorEvaluationContext, key: str) -> bool:
+    runs = context.instance.get_runs(
+        RunsFilter(job_name=round_job.name, tags={"dagster/partition": key}), limit=1
+    )
+    return bool(runs) and runs[0].status in (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)

@@ -31,6 +31,9 @@ from resources.store import StoreResource
 
 
 class TrajectoriesConfig(Config):
+    deployment_id: str | None = None
+    """Production: snapshot this deployment's traffic (the sensor sets the one it counted S*B
+    trajectories of); default: the live one."""
     recollect: bool = False
     """Collect again even if the round's trajectories are stored (they are immutable otherwise).
     A production round is re-read at the landing versions its first snapshot pinned."""
@@ -74,6 +77,7 @@ def _trajectories_round(
             round_=k,
             live=tables.live_deployment(),
             registered=registered,
+            counted=config.deployment_id,
         )
     except ValueError as e:
         raise Failure(description=str(e)) from e

@@ -107,8 +107,9 @@ async def simulate(
     stop: Callable[[], bool] | None = None,
 ) -> SimulationReport:
     """Play `cfg.episodes` of `puzzles` against the gateway at `url` (its base, without /v1);
-    `progress` sees the report after each episode; once `stop()` is true no episode starts. Calls are not retried (a retried call would be
-    recorded twice); a failed episode is reported and left unrewarded, as a user who gives up."""
+    `progress` sees the report after each episode; once `stop()` is true no episode starts. Calls
+    are not retried (a retried call would be recorded twice); a failed episode is reported and
+    left unrewarded, as a user who gives up."""
     check_loopback(url)
     url = url.rstrip("/").removesuffix("/v1")
     run = uuid.uuid4().hex[:8]  # trajectory ids never collide with an earlier run's
@@ -150,9 +151,10 @@ async def simulate(
             progress(report)
 
     async def user() -> None:
-        while todo and not (stop and stop()):
+        stopped = lambda: not todo or (stop is not None and stop())  # noqa: E731
+        while not stopped():
             await asyncio.sleep(cfg.think_seconds * rng.random())  # a user between tasks
-            if not todo:
+            if stopped():
                 return
             i, puzzle = todo.pop(0)
             tid = f"{cfg.prefix}-{run}-{i}"

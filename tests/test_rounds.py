@@ -20,6 +20,15 @@ def test_sync_starts_a_round_once_the_previous_one_is_deployed():
     assert start_blocker("sync", 2, {2: {"advantages", "deployment"}}) is None
 
 
+def test_a_failed_round_stops_later_rounds_until_it_is_re_run():
+    done = {1: {"advantages", "deployment"}, 2: {"advantages"}}
+    assert "round 2's last run failed" in start_blocker("sync", 2, done, failed=[2])
+    assert "round 2's last run failed" in start_blocker("async1", 2, done, failed=[2])
+    assert "round 2's last run failed" in start_blocker("async1", 3, {**done, 3: {"advantages"}}, failed=[2])
+    # a failed round that was deployed anyway (its eval_report failed) does not block
+    assert start_blocker("sync", 2, {1: {"deployment"}, 2: {"deployment"}}, failed=[1, 2]) is None
+
+
 def test_async1_overlaps_collection_of_round_k_plus_1_with_training_of_round_k():
     assert start_blocker("async1", 0, {}) is None
     assert "not taken its traffic" in start_blocker("async1", 1, {})
@@ -55,6 +64,15 @@ def test_traffic_comes_from_the_deployment_the_schedule_names(source, schedule, 
     assert got["deployment_id"] == expected
 
 
+def test_production_snapshots_the_deployment_the_sensor_counted_even_after_live_moved():
+    registered = {d["deployment_id"]: d for d in (BASE_ROW, _dep(1), _dep(2))}
+    common = dict(counterfactual=False, experiment="main", round_=3, live=_dep(2), registered=registered)
+    got = traffic_deployment(source="production", schedule="async1", counted="main-r000001", **common)
+    assert got["deployment_id"] == "main-r000001"
+    with pytest.raises(ValueError, match="snapshots traffic of gone"):
+        traffic_deployment(source="production", schedule="sync", counted="gone", **common)
+
+
 def test_traffic_is_refused_for_counterfactual_replays_without_live_and_for_unregistered_sources():
     common = dict(source="lab", experiment="main", round_=4, live=_dep(2), registered={})
     with pytest.raises(ValueError, match="counterfactual"):
@@ -73,15 +91,27 @@ def test_the_parent_is_the_serving_checkpoint_in_sync_and_the_previous_round_oth
     assert parent_checkpoint(schedule="async1", counterfactual=False, **{**common, "round_": 1}) == "base"
 
 
-def test_live_moves_forward_only_after_a_passed_gate_and_never_for_a_counterfactual():
-    live = _dep(2)
-    assert goes_live(gate_passed=True, counterfactual=False, round_=3, candidate="main-r000003", live=live)
+def test_live_moves_forward_only_after_a_passed_gate_against_what_is_still_live():
+    def live_after(
+        k: int, passed: bool = True, counterfactual: bool = False, live: dict | None = None
+    ) -> bool:
+        name = ("cf" if counterfactual else "main") + f"-r{k:06d}"
+        return goes_live(
+            gate_passed=passed,
+            counterfactual=counterfactual,
+            round_=k,
+            candidate=name,
+            gated_against="main-r000002",
+            live=_dep(2) if live is None else live,
+        )
+
+    assert live_after(3)
+    assert not live_after(3, passed=False)
+    assert not live_after(3, counterfactual=True)
+    assert not live_after(1)  # a replay of an old round never moves it back
+    assert live_after(2)  # re-deploying the live round keeps it live
+    assert not live_after(3, live=_dep(4))  # round 4 went live while round 3 was evaluated
+    assert not live_after(4, live=_dep(3))  # live moved since the gate: not gated against round 3
     assert not goes_live(
-        gate_passed=False, counterfactual=False, round_=3, candidate="main-r000003", live=live
+        gate_passed=True, counterfactual=False, round_=3, candidate="c", gated_against="g", live=None
     )
-    assert not goes_live(gate_passed=True, counterfactual=True, round_=3, candidate="cf-r000003", live=live)
-    # a round finishing after a later one (or a replay of an old round) never moves live back
-    assert not goes_live(
-        gate_passed=True, counterfactual=False, round_=1, candidate="main-r000001", live=live
-    )
-    assert goes_live(gate_passed=True, counterfactual=False, round_=2, candidate="main-r000002", live=live)

@@ -5,10 +5,12 @@ from datetime import UTC, datetime
 from dagster import (
     AssetMaterialization,
     DagsterInstance,
+    DagsterRunStatus,
     build_sensor_context,
     instance_for_test,
     materialize,
 )
+from dagster._core.test_utils import create_run_for_test
 
 from assets.base_model import base_model
 from assets.sensors import round_sensor
@@ -80,6 +82,8 @@ def test_sensor_fires_once_per_threshold_crossing_and_never_for_unscored_traffic
         result, cursor = _tick(instance, resources, cursor)
         (request,) = result.run_requests
         assert request.partition_key == "r000001" and request.run_key == "r000001"
+        # the round snapshots the deployment counted, even if live moves before the run starts
+        assert request.run_config == {"ops": {"trajectories": {"config": {"deployment_id": "base"}}}}
         assert result.dynamic_partitions_requests[0].partition_keys == ["r000001"]
         instance.add_dynamic_partitions("rounds", ["r000001"])  # what the daemon does with the result
 
@@ -136,3 +140,10 @@ def test_async1_starts_the_next_collection_while_the_previous_round_trains(tmp_p
         instance.report_runless_asset_event(AssetMaterialization("advantages", partition="r000002"))
         result, _ = _tick(instance, resources, cursor)
         assert not getattr(result, "run_requests", None) and "round 1 is not deployed" in result.skip_message
+
+        # round 1's run fails (say, in training): no round starts past it until it is re-run
+        create_run_for_test(
+            instance, "round_job", status=DagsterRunStatus.FAILURE, tags={"dagster/partition": "r000001"}
+        )
+        result, _ = _tick(instance, resources, cursor)
+        assert "round 1's last run failed" in result.skip_message

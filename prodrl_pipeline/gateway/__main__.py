@@ -33,23 +33,35 @@ from prodrl_pipeline.records.store import DeltaStore
 
 
 def embedded_loader(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> Callable[[dict], Loaded]:
-    """Loads a registry row's export into the embedded engine, smoke-checked."""
+    """Loads a registry row's export into the embedded engine: a local export folder whose
+    vocabulary is the first loaded deployment's (the gateway's tokenizer is fixed), smoke-checked."""
+    first_vocab: list[int] = []
 
     def load(row: dict) -> Loaded:
+        path = Path(row["path"])
+        if not path.is_dir():
+            raise ValueError(f"{row['deployment_id']}: its export {path} is not a local folder")
         engine = TorchEngine(
-            load_deployment(row["path"]),
+            load_deployment(path),
             tokenizer.eos_token_id,
             tokenizer.pad_token_id,
             args.top_logprobs,
             args.extra_samples,
         )
+        vocab = first_vocab[0] if first_vocab else engine.vocab_size
+        if engine.vocab_size != vocab or len(tokenizer) > vocab:
+            raise ValueError(
+                f"{row['deployment_id']}: vocabulary of {engine.vocab_size} does not match the served "
+                f"{vocab} and the tokenizer's {len(tokenizer)}"
+            )
         batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
         loaded = Loaded(row["deployment_id"], batcher, engine.model.config.max_position_embeddings)
         try:
             smoke_check(loaded, tokenizer.eos_token_id)
         except Exception:
-            batcher.close()
+            batcher.close(wait=False)  # a stuck engine must not hang the follower
             raise
+        first_vocab[:] = [vocab]
         return loaded
 
     return load

@@ -40,10 +40,12 @@ class BatchingEngine:
             self._queue.put((request, future))
         return future
 
-    def close(self) -> None:
-        """Finish what is running, then stop."""
+    def close(self, wait: bool = True) -> None:
+        """Finish what is running, then stop; `wait`: until then (else the worker stops by itself,
+        as for an engine that may be stuck)."""
         self._queue.put(None)
-        self._thread.join()
+        if wait:
+            self._thread.join()
 
     def _take(self, limit: int, block: bool) -> list[Item]:
         """Up to `limit` queued requests: when `block`, wait for a first one and then `wait_ms`

@@ -102,9 +102,27 @@ class Deployments:
             self.last_error = None
             return old
 
-    def failed(self, message: str) -> None:
+    def revive(self, deployment_id: str) -> Loaded | None:
+        """Make the draining deployment `deployment_id` current again (live moved back to it before
+        it was closed); the previous current one drains. Returns the previous one, None if
+        `deployment_id` is not draining."""
         with self._lock:
-            self.load_failures += 1
+            found = [d for d in self._draining if d.deployment_id == deployment_id]
+            if not found:
+                return None
+            self._draining.remove(found[0])
+            found[0].retire_at = None
+            old, self._current = self._current, found[0]
+            old.retire_at = time.monotonic() + self.drain_seconds
+            self._draining.append(old)
+            self.switches += 1
+            self.last_error = None
+            return old
+
+    def failed(self, message: str | None) -> None:
+        """Record a failed load (None: the failure no longer matters, live is served)."""
+        with self._lock:
+            self.load_failures += message is not None
             self.last_error = message
 
     def retire(self, now: float | None = None) -> list[str]:
@@ -156,11 +174,19 @@ class LiveFollower:
         live = self.store.live_deployment()
         self._seen = version
         if live is None or live["deployment_id"] == self.deployments.current.deployment_id:
-            self._failed = None
+            if self._failed:
+                self._failed = None
+                self.deployments.failed(None)
             return None
         target = live["deployment_id"]
         if self._failed and self._failed[0] == target and now < self._failed[1]:
             return None
+        if (old := self.deployments.revive(target)) is not None:
+            log.info(
+                "live moved back to %s, still loaded: serving it again; %s drains", target, old.deployment_id
+            )
+            self._failed = None
+            return target
         log.info("live moved to %s: loading it beside %s", target, self.deployments.current.deployment_id)
         try:
             loaded = self.load(live)

@@ -8,11 +8,12 @@ QueryBuilder): the one SQL engine of the project.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+from deltalake.exceptions import CommitFailedError
 
 from prodrl_pipeline.records.schema import TABLES
 
@@ -148,17 +149,39 @@ class DeltaStore:
 
     def set_live(self, deployment_id: str) -> None:
         """Move the live pointer: one atomic commit flips `live` on the deployments registry."""
+        self.move_live(deployment_id, lambda _: True)
+
+    def move_live(
+        self, deployment_id: str, allowed: Callable[[dict | None], bool], attempts: int = 5
+    ) -> bool:
+        """Compare-and-set of the live pointer: read the registry, and move live to `deployment_id`
+        only if `allowed(the live row read)`, in a commit that fails when the registry changed since
+        the read (then read and decide again). Returns whether live moved."""
         if not SAFE_ID.fullmatch(deployment_id):
             raise ValueError(f"deployment id {deployment_id!r} must match {SAFE_ID.pattern}")
-        if deployment_id not in self.read("deployments").column("deployment_id").to_pylist():
-            raise KeyError(f"deployment {deployment_id!r} is not registered")
-        self.table("deployments").update(
-            updates={"live": f"deployment_id = '{deployment_id}'"},
-            commit_properties=self._commit({"live": deployment_id}),
-        )
+        for _ in range(attempts):
+            dt = self.table("deployments")
+            rows = self.read("deployments", version=dt.version()).to_pylist()
+            if deployment_id not in {r["deployment_id"] for r in rows}:
+                raise KeyError(f"deployment {deployment_id!r} is not registered")
+            if not allowed(self._live_of(rows)):
+                return False
+            try:
+                dt.update(
+                    updates={"live": f"deployment_id = '{deployment_id}'"},
+                    commit_properties=self._commit({"live": deployment_id}),
+                )
+                return True
+            except CommitFailedError:  # another writer committed since the read
+                continue
+        raise RuntimeError(f"the deployments registry kept changing; live not moved to {deployment_id}")
+
+    @staticmethod
+    def _live_of(rows: list[dict]) -> dict | None:
+        live = [r for r in rows if r["live"]]
+        if len(live) > 1:
+            raise RuntimeError(f"{len(live)} deployments are marked live; expected one")
+        return live[0] if live else None
 
     def live_deployment(self) -> dict | None:
-        rows = [r for r in self.read("deployments").to_pylist() if r["live"]]
-        if len(rows) > 1:
-            raise RuntimeError(f"{len(rows)} deployments are marked live; expected one")
-        return rows[0] if rows else None
+        return self._live_of(self.read("deployments").to_pylist())

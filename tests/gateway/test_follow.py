@@ -57,6 +57,11 @@ def test_the_follower_loads_beside_switches_drains_and_survives_a_failed_load(tm
         store.set_live("r1")
         assert follower.check(t0) == "r1"
         assert deployments.ids() == ["r1", "base"] and deployments.draining() == ["base"]
+        store.set_live("base")  # rolled back before base was closed: served again, not reloaded
+        assert follower.check(t0) == "base" and deployments.ids() == ["base", "r1"]
+        store.set_live("r1")
+        assert follower.check(t0) == "r1" and deployments.ids() == ["r1", "base"]
+        assert deployments.switches == 3 and deployments.load_failures == 0
 
         old_trajectory = deployments.acquire(None, pinned="base")
         new_trajectory = deployments.acquire(None, pinned=None)
@@ -84,6 +89,7 @@ def test_the_follower_loads_beside_switches_drains_and_survives_a_failed_load(tm
         assert follower.check(t0 + 43) is None and deployments.load_failures == 2
         store.set_live("r1")  # the operator rolls live back: nothing to load
         assert follower.check(t0 + 44) is None and deployments.load_failures == 2
+        assert deployments.last_error is None  # the failure no longer matters
     finally:
         deployments.close()
 

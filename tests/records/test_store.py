@@ -92,6 +92,34 @@ def test_live_pointer_is_unique(tmp_path):
         store.set_live("x' OR 1=1 --")
 
 
+def test_moving_live_decides_on_the_row_read_and_retries_when_another_writer_moved_it(tmp_path):
+    from prodrl_pipeline.records.registry import register_deployment
+
+    store = DeltaStore(tmp_path)
+    for k, dep in enumerate(("base", "main-r000001", "main-r000002")):
+        register_deployment(
+            store,
+            deployment_id=dep,
+            round_=k,
+            checkpoint_id=dep,
+            path="p",
+            quant_format="nvfp4",
+            sampling_json="{}",
+        )
+    store.set_live("base")
+    seen = []
+
+    def round_1_may_go_live(live: dict) -> bool:
+        seen.append(live["deployment_id"])
+        if len(seen) == 1:  # round 2 goes live while round 1 decides: round 1's commit must not land
+            store.set_live("main-r000002")
+        return live["round"] < 1
+
+    assert not store.move_live("main-r000001", round_1_may_go_live)
+    assert seen == ["base", "main-r000002"]  # decided again on the newer live row
+    assert store.live_deployment()["deployment_id"] == "main-r000002"  # never moved backwards
+
+
 def test_tables_written_by_an_older_schema_still_read_and_take_new_columns(tmp_path):
     from deltalake import write_deltalake
 
