@@ -41,7 +41,8 @@ class SimulationConfig:
     users: int = 8
     """Concurrent users, each playing one episode at a time."""
     episodes: int = 64
-    """Episodes in all (at most one per puzzle given)."""
+    """Episodes in all; the puzzles given are played in order and again from the first when
+    there are fewer (users repeat tasks: each episode is a new trajectory)."""
     max_seconds: float = 600.0
     """Play stops after this (episodes still running are abandoned, unrewarded); then the rewards
     of the finished ones are posted."""
@@ -114,7 +115,9 @@ async def simulate(
     url = url.rstrip("/").removesuffix("/v1")
     run = uuid.uuid4().hex[:8]  # trajectory ids never collide with an earlier run's
     report, rng = SimulationReport(), random.Random(cfg.seed)
-    todo = list(enumerate(puzzles[: cfg.episodes]))
+    if not puzzles:
+        raise ValueError("no puzzles to play")
+    started = 0  # episodes started
     pending: list[tuple[int, float, str, float]] = []  # (finish order, due, trajectory id, reward)
     client = openai.AsyncOpenAI(
         base_url=f"{url}/v1", api_key=serve_key, max_retries=0, timeout=min(cfg.max_seconds, 120.0)
@@ -151,12 +154,14 @@ async def simulate(
             progress(report)
 
     async def user() -> None:
-        stopped = lambda: not todo or (stop is not None and stop())  # noqa: E731
+        nonlocal started
+        stopped = lambda: started >= cfg.episodes or (stop is not None and stop())  # noqa: E731
         while not stopped():
             await asyncio.sleep(cfg.think_seconds * rng.random())  # a user between tasks
             if stopped():
                 return
-            i, puzzle = todo.pop(0)
+            i, started = started, started + 1
+            puzzle = puzzles[i % len(puzzles)]
             tid = f"{cfg.prefix}-{run}-{i}"
             try:
                 await play(tid, puzzle)
@@ -245,7 +250,7 @@ def main() -> None:
     puzzles = list(iter_lab_puzzles(args.data, args.split))
     random.Random(cfg.seed).shuffle(puzzles)
     if len(puzzles) < cfg.episodes:
-        print(f"the {args.split} split holds {len(puzzles)} puzzles: playing {len(puzzles)} episodes")
+        print(f"the {args.split} split holds {len(puzzles)} puzzles: they are played again in turn")
     t0 = time.monotonic()
     report = asyncio.run(simulate(args.url, serve_key, feedback_key, puzzles, cfg, progress=_progress))
     seconds = time.monotonic() - t0

@@ -128,7 +128,7 @@ def run_unattended(
     puzzles = list(iter_lab_puzzles(REPO / "data", "train"))
     cfg = SimulationConfig(
         users=users,
-        episodes=len(puzzles),
+        episodes=1_000_000,  # bounded by `stop` and `timeout`
         max_seconds=timeout,
         reward_delay=0.2,
         think_seconds=think_seconds,
@@ -255,7 +255,7 @@ def test_a_longer_unattended_async_run_raises_the_heldout_rate_on_simulated_traf
     and the live deployment solves more held-out puzzles than the base (paired, 95%)."""
     steps = 8
     run = run_unattended(
-        tmp_path, 4, "async1", timeout=3000, users=8, think_seconds=0.2, steps=steps, batch_size=32
+        tmp_path, 4, "async1", timeout=3000, users=4, think_seconds=1.0, steps=steps, batch_size=32
     )
     _account(run, 4)
     _print(run, "async1")

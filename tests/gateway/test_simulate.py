@@ -60,6 +60,25 @@ def test_a_second_run_never_reuses_the_first_runs_trajectories(gateway, heldout)
     assert first.errors == second.errors == [] and not set(first.finished) & set(second.finished)
 
 
+def test_puzzles_are_played_again_in_turn_and_stop_ends_play(gateway, heldout):
+    cfg = SimulationConfig(users=1, episodes=5, reward_delay=0.0, seed=0)
+    report = asyncio.run(simulate(gateway.url, SERVE_KEY, FEEDBACK_KEY, heldout[:2], cfg))
+    assert report.errors == [] and report.episodes == len(set(report.finished)) == 5  # 2 puzzles, 5 episodes
+    seen: list[int] = []
+    stopped = asyncio.run(
+        simulate(
+            gateway.url,
+            SERVE_KEY,
+            FEEDBACK_KEY,
+            heldout,
+            SimulationConfig(users=2, episodes=50, reward_delay=0.0, think_seconds=0.05, seed=0),
+            progress=lambda r: seen.append(r.episodes),
+            stop=lambda: len(seen) >= 2,
+        )
+    )
+    assert 2 <= stopped.episodes <= 3  # the other user may be mid-episode when stop turns true
+
+
 @pytest.mark.parametrize(
     "url",
     [
