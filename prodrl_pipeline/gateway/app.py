@@ -42,7 +42,7 @@ from prodrl_pipeline.gateway.serving import CALL_HEADER, TRAJECTORY_HEADER, Serv
 
 
 def create_app(serving: Serving) -> FastAPI:
-    """The routes over `serving` (its engine, tokenizer, landing log and sessions)."""
+    """The routes over `serving` (its deployments, tokenizer, landing log and sessions)."""
     cfg, tokenizer, deployments = serving.cfg, serving.tokenizer, serving.deployments
     landing, sessions, metrics = serving.landing, serving.sessions, serving.metrics
     started = int(time.time())

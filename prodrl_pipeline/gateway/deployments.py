@@ -95,12 +95,7 @@ class Deployments:
     def switch(self, new: Loaded) -> Loaded:
         """Make `new` current; the previous one drains. Returns the previous one."""
         with self._lock:
-            old, self._current = self._current, new
-            old.retire_at = time.monotonic() + self.drain_seconds
-            self._draining.append(old)
-            self.switches += 1
-            self.last_error = None
-            return old
+            return self._promote(new)
 
     def revive(self, deployment_id: str) -> Loaded | None:
         """Make the draining deployment `deployment_id` current again (live moved back to it before
@@ -111,13 +106,17 @@ class Deployments:
             if not found:
                 return None
             self._draining.remove(found[0])
-            found[0].retire_at = None
-            old, self._current = self._current, found[0]
-            old.retire_at = time.monotonic() + self.drain_seconds
-            self._draining.append(old)
-            self.switches += 1
-            self.last_error = None
-            return old
+            return self._promote(found[0])
+
+    def _promote(self, new: Loaded) -> Loaded:
+        """(Lock held.) `new` becomes current, the current one drains from now."""
+        old, self._current = self._current, new
+        new.retire_at = None
+        old.retire_at = time.monotonic() + self.drain_seconds
+        self._draining.append(old)
+        self.switches += 1
+        self.last_error = None
+        return old
 
     def failed(self, message: str | None) -> None:
         """Record a failed load (None: the failure no longer matters, live is served)."""
