@@ -1,8 +1,8 @@
 """Round k's traffic: S*B scored trajectories of one deployment (`prodrl_pipeline.rounds` names it).
 
 Lab source: play puzzles against that deployment. Production source: snapshot the gateway's
-landing tables (traffic of the live deployment), pinning their Delta versions in this partition's
-metadata.
+landing tables (traffic of the deployment the sensor counted, else of the live one), pinning their
+Delta versions in this partition's metadata.
 """
 
 import random
