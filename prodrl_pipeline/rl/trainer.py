@@ -11,16 +11,19 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import PreTrainedModel
 
 from prodrl_pipeline.quant.qat import served_weights
 from prodrl_pipeline.rl.estimators import EstimatorConfig, TokenInputs, aggregate, objective
-from prodrl_pipeline.rl.logprobs import build_sequences, token_logprobs
+from prodrl_pipeline.rl.logprobs import Sequences, TokenLogprobs, build_sequences, token_logprobs
+
+if TYPE_CHECKING:
+    from prodrl_pipeline.rl.distributed import DataParallel
 
 
 @dataclass(frozen=True)
@@ -106,25 +109,54 @@ def _microbatches(calls: list[dict], size: int) -> list[list[dict]]:
     return out + [current] if current else out
 
 
+def _token_logprobs(
+    model: PreTrainedModel, seqs: Sequences, cfg: TrainerConfig, w_hat: dict | None, dp: DataParallel | None
+) -> TokenLogprobs:
+    """log pi over the recorded supports, through the sharded policy under data parallelism."""
+    if dp is not None:
+        return dp.token_logprobs(seqs, cfg.logprob_chunk_tokens, w_hat)
+    return token_logprobs(model, seqs, cfg.logprob_chunk_tokens, w_hat)
+
+
+def _passes(micros: list[list[dict]], dp: DataParallel | None) -> Iterator[tuple[list[dict], bool]]:
+    """(microbatch, real): the microbatches, padded under data parallelism so that every rank runs
+    as many forward/backward passes as the busiest one (a padding pass is not real)."""
+    return dp.lockstep(micros) if dp else ((m, True) for m in micros)
+
+
 @torch.no_grad()
 def policy_logprobs(
-    model: PreTrainedModel, calls: list[dict], cfg: TrainerConfig, pad_id: int, *, fake_quant: bool
+    model: PreTrainedModel,
+    calls: list[dict],
+    cfg: TrainerConfig,
+    pad_id: int,
+    *,
+    fake_quant: bool,
+    dp: DataParallel | None = None,
 ) -> dict[str, torch.Tensor]:
     """log pi of every completion token over its recorded support, per call_id ([T] each): pi_k
     with theta_k before the first step (`fake_quant` = cfg.qat), or the reference from the already
     dequantized deployment (`fake_quant` = False: the reference is W_hat as served, not a second
-    round trip of it)."""
+    round trip of it). With `dp`, `calls` are this rank's and the passes run in lockstep."""
     out = {}
     w_hat = served_weights(model) if fake_quant else None
-    for mb in _microbatches(calls, cfg.microbatch_calls):
-        lp = token_logprobs(model, build_sequences(mb, pad_id), cfg.logprob_chunk_tokens, w_hat).logprobs
-        for c, part in zip(mb, lp.split([len(c["completion_token_ids"]) for c in mb]), strict=True):
-            out[c["call_id"]] = part
+    for mb, real in _passes(_microbatches(calls, cfg.microbatch_calls), dp):
+        lp = _token_logprobs(model, build_sequences(mb, pad_id), cfg, w_hat, dp).logprobs
+        if real:
+            for c, part in zip(mb, lp.split([len(c["completion_token_ids"]) for c in mb]), strict=True):
+                out[c["call_id"]] = part
     return out
 
 
-def _mean(x: torch.Tensor) -> float:
-    return float(x.float().mean()) if x.numel() else math.nan
+def _means(stats: dict[str, list[torch.Tensor]], dp: DataParallel | None) -> dict[str, float]:
+    """The mean of each statistic over all its tokens (over every rank's under `dp`)."""
+    keys = sorted(stats)
+    local = torch.tensor(
+        [[float(torch.cat(stats[k]).double().sum()), float(sum(x.numel() for x in stats[k]))] for k in keys],
+        dtype=torch.float64,
+    ).reshape(len(keys), 2)
+    total = dp.sum(local) if dp else local
+    return {k: float(s / n) if n else math.nan for k, (s, n) in zip(keys, total.tolist(), strict=True)}
 
 
 def train_round(
@@ -139,14 +171,19 @@ def train_round(
     reference: dict[str, torch.Tensor] | None = None,
     behaviour_step: int | None = None,
     progress: Callable[[dict], None] | None = None,
+    dp: DataParallel | None = None,
 ) -> list[dict]:
     """Run the round's steps in minibatch order; returns one metrics row per optimizer step.
     `round_start` (pi_k per call) is computed here if not given; `reference` is required by ref_is.
     `behaviour_step`: the global step of the checkpoint whose deployment sampled the calls (default:
-    the round's start, as in the synchronous schedule); each row records the policy lag in steps."""
+    the round's start, as in the synchronous schedule); each row records the policy lag in steps.
+    `dp`: data parallelism (rl/distributed.py): `model` is sharded, this rank trains its share of
+    every minibatch, and the rows are the same on every rank."""
     est = cfg.estimator
     if est.type == "ref_is" and reference is None:
         raise ValueError("estimator ref_is needs reference log-probs from the dequantized deployment")
+    if dp and cfg.qat:
+        raise ValueError("quantization-aware training is not supported with data parallelism yet")
     by_traj: dict[str, list[dict]] = defaultdict(list)
     for c in calls:
         by_traj[c["trajectory_id"]].append(c)
@@ -156,23 +193,33 @@ def train_round(
             raise ValueError(f"trajectory {a['trajectory_id']} has an advantage but no calls")
         minibatches[a["minibatch"]].append(a)
 
+    def tokens(mb: list[dict]) -> dict[str, int]:
+        return {
+            a["trajectory_id"]: sum(len(c["completion_token_ids"]) for c in by_traj[a["trajectory_id"]])
+            for a in mb
+        }
+
+    ordered = [minibatches[k] for k in sorted(minibatches)]
+    shares = [dp.share(tokens(mb)) if dp else {a["trajectory_id"] for a in mb} for mb in ordered]
     model.eval()  # Qwen3 has no dropout; eval keeps pi_k and pi numerically identical at step 0
     if round_start is None:
-        trained = [c for a in advantages for c in by_traj[a["trajectory_id"]]]
-        round_start = policy_logprobs(model, trained, cfg, pad_id, fake_quant=cfg.qat)
+        mine = set().union(*shares)
+        trained = [c for a in advantages if a["trajectory_id"] in mine for c in by_traj[a["trajectory_id"]]]
+        round_start = policy_logprobs(model, trained, cfg, pad_id, fake_quant=cfg.qat, dp=dp)
     rows = []
-    for step, mb in enumerate(minibatches[k] for k in sorted(minibatches)):
+    for step, (mb, share) in enumerate(zip(ordered, shares, strict=True)):
         t0 = time.perf_counter()
         n_traj = len(mb)
         adv = {a["trajectory_id"]: a["advantage"] for a in mb}
-        length = {t: sum(len(c["completion_token_ids"]) for c in by_traj[t]) for t in adv}
+        length = tokens(mb)
         optimizer.zero_grad(set_to_none=True)
         w_hat = served_weights(model) if cfg.qat else None
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
         loss_total, dropped = 0.0, set()
-        for micro in _microbatches([c for t in adv for c in by_traj[t]], cfg.microbatch_calls):
+        micros = _microbatches([c for t in adv if t in share for c in by_traj[t]], cfg.microbatch_calls)
+        for micro, real in _passes(micros, dp):
             seqs = build_sequences(micro, pad_id)
-            lp = token_logprobs(model, seqs, cfg.logprob_chunk_tokens, w_hat)
+            lp = _token_logprobs(model, seqs, cfg, w_hat, dp)
             owner = [c["trajectory_id"] for c in micro for _ in c["completion_token_ids"]]
             index = {t: i for i, t in enumerate(dict.fromkeys(owner))}
             free = seqs.free
@@ -195,10 +242,12 @@ def train_round(
                 complement_logprobs=lp.complement_logprobs,
                 reference_logprobs=torch.cat([reference[c["call_id"]] for c in micro]) if reference else None,
             )
-            weight = torch.tensor([1.0 / (n_traj * length[t]) for t in owner])
+            weight = torch.tensor([1.0 / (n_traj * length[t]) if real else 0.0 for t in owner])
             j, diag = objective(x, est)
             loss = aggregate(j, weight)
-            loss.backward()
+            (loss * dp.world if dp else loss).backward()  # FSDP2 averages over ranks: this sums
+            if not real:  # a lockstep pass: no gradient, no statistics
+                continue
             loss_total += loss.item()
             cur = lp.logprobs.detach()
             stats["engine"].append((x.round_start_logprobs - x.deployment_logprobs)[free].abs())
@@ -211,12 +260,15 @@ def train_round(
             if "dropped" in diag:
                 dropped |= {t for t, d in zip(owner, diag["dropped"].tolist(), strict=True) if d}
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under dp
         lr = cfg.lr_at(first_step + step + 1)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
-        cat = {k: torch.cat(v) for k, v in stats.items()}
+        mean = _means(stats, dp)
+        counts = torch.tensor([loss_total, float(len(dropped))])
+        loss_total, n_dropped = (dp.sum(counts) if dp else counts).tolist()
         row = {
             "step": first_step + step + 1,
             "estimator": est.type,
@@ -226,14 +278,14 @@ def train_round(
             "loss": loss_total,
             "lr": lr,
             "grad_norm": grad_norm,
-            "entropy": _mean(cat["entropy"]),
-            "engine_mismatch": _mean(cat["engine"]),
-            "staleness": _mean(cat["stale"]),
-            "total_mismatch": _mean(cat["total"]),
-            "clip_fraction": _mean(cat["clipped"]) if "clipped" in cat else 0.0,
-            "rho_truncated_fraction": _mean(cat["rho_truncated"]) if "rho_truncated" in cat else 0.0,
-            "kl": _mean(cat["kl"]),
-            "dropped_trajectories": len(dropped),
+            "entropy": mean["entropy"],
+            "engine_mismatch": mean["engine"],
+            "staleness": mean["stale"],
+            "total_mismatch": mean["total"],
+            "clip_fraction": mean.get("clipped", 0.0),
+            "rho_truncated_fraction": mean.get("rho_truncated", 0.0),
+            "kl": mean["kl"],
+            "dropped_trajectories": int(n_dropped),
             "policy_lag_steps": first_step
             + step
             - (first_step if behaviour_step is None else behaviour_step),

@@ -1,0 +1,166 @@
+"""Data-parallel training over whole trajectories with FSDP2 (`fully_shard`), under `torchrun`.
+
+Each rank takes a share of every minibatch's trajectories (balanced by completion tokens) and
+weights its tokens with the global (1/B)(1/T_i), so the gradients summed over ranks are the
+single-process gradient (FSDP2 averages over ranks, so each rank's loss is scaled by the world
+size). Every forward and backward of a sharded model is collective, so every rank runs
+the same number of microbatches (a rank with fewer repeats one with weight 0). Metrics are reduced
+over ranks, so every rank returns the same rows. On CPU the backend is gloo (tested with 2
+processes); on GPUs, NCCL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from transformers import PreTrainedModel
+
+from prodrl_pipeline.model import load_model
+from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
+from prodrl_pipeline.rl.logprobs import Sequences, TokenLogprobs, token_logprobs
+from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer
+
+
+class LogprobModule(torch.nn.Module):
+    """`token_logprobs` as one module forward, so that FSDP2 (whose root this is) keeps the
+    embedding, final norm and tied output projection gathered for the whole computation; returns
+    the fields of TokenLogprobs as a tuple (FSDP2 hooks the tensors of a forward's outputs)."""
+
+    def __init__(self, model: PreTrainedModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, seqs: Sequences, chunk_tokens: int, w_hat: dict | None) -> tuple:
+        lp = token_logprobs(self.model, seqs, chunk_tokens, w_hat)
+        return tuple(getattr(lp, f.name) for f in fields(lp))
+
+
+@dataclass
+class DataParallel:
+    """This process's place in the data-parallel group, and the sharded policy it trains."""
+
+    rank: int
+    world: int
+    module: LogprobModule | None = None
+    """Set by `shard_model`."""
+
+    def token_logprobs(self, seqs: Sequences, chunk_tokens: int, w_hat: dict | None) -> TokenLogprobs:
+        return TokenLogprobs(*self.module(seqs, chunk_tokens, w_hat))
+
+    @classmethod
+    def from_environment(cls) -> DataParallel:
+        """The group torchrun started (initialized here if it is not yet)."""
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    def share(self, tokens: dict[str, int]) -> set[str]:
+        """This rank's trajectories of a minibatch (`tokens`: trajectory id -> completion tokens):
+        longest first, each to the rank with the fewest tokens so far (ties to the lower rank);
+        the same on every rank."""
+        if len(tokens) < self.world:
+            raise ValueError(f"a minibatch of {len(tokens)} trajectories cannot feed {self.world} ranks")
+        load = [0] * self.world
+        mine = set()
+        for t in sorted(tokens, key=lambda t: (-tokens[t], t)):
+            r = min(range(self.world), key=lambda r: (load[r], r))
+            load[r] += tokens[t]
+            if r == self.rank:
+                mine.add(t)
+        return mine
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over ranks (a float64 tensor)."""
+        out = values.detach().to(torch.float64).clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    def most(self, n: int) -> int:
+        """The largest `n` over ranks."""
+        out = torch.tensor([n])
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return int(out)
+
+    def lockstep(self, items: list) -> Iterator[tuple[object, bool]]:
+        """`items` as (item, real), padded with (items[0], False) to the longest list over ranks."""
+        n = self.most(len(items))
+        if n and not items:
+            raise ValueError(f"rank {self.rank} has nothing to run while another rank has {n} passes")
+        for i in range(n):
+            yield (items[i], True) if i < len(items) else (items[0], False)
+
+
+def shard_model(model: PreTrainedModel, dp: DataParallel) -> PreTrainedModel:
+    """FSDP2 over each decoder layer and over the log-prob module around `model` (dp.module).
+    FSDP2 averages gradients over ranks: the trainer scales each rank's loss by the world size so
+    that the average is the sum (gloo has no pre-multiplied sum for a divide factor of 1)."""
+    for layer in model.model.layers:
+        fully_shard(layer)
+    dp.module = fully_shard(LogprobModule(model))
+    return model
+
+
+def _by_name(state: dict, model: torch.nn.Module) -> dict:
+    """A single-process Adam state dict (parameters by index) keyed by parameter name instead,
+    the layout torch.distributed.checkpoint's full optimizer state uses."""
+    names = [n for n, _ in model.named_parameters()]
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def _by_index(state: dict, model: torch.nn.Module) -> dict:
+    """The inverse of `_by_name`: the layout `torch.optim.Optimizer.state_dict()` has."""
+    index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+    return {
+        "state": {index[n]: v for n, v in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def load_sharded(
+    parent: str | Path, cfg: TrainerConfig, dp: DataParallel
+) -> tuple[PreTrainedModel, torch.optim.Optimizer, dict]:
+    """The parent checkpoint (the single-process layout) as a sharded model, its Adam state
+    loaded into an optimizer over the shards, and its meta: every rank reads the whole file."""
+    model, optimizer_state, meta = load_checkpoint(parent)
+    by_name = _by_name(optimizer_state, model) if optimizer_state is not None else None
+    shard_model(model, dp)
+    optimizer = make_optimizer(model, cfg, None)
+    if by_name is not None:
+        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+        for group in optimizer.param_groups:  # the config of this round wins, as in make_optimizer
+            group["lr"], group["betas"] = cfg.lr, (cfg.beta1, cfg.beta2)
+    return model, optimizer, meta
+
+
+def save_consolidated(
+    path: str | Path,
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    meta: dict,
+    parent: str | Path,
+    dp: DataParallel,
+) -> None:
+    """Gather the sharded model and optimizer (collective) and, on rank 0, write them as a
+    single-process checkpoint: the next round loads it with or without data parallelism."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # complete on rank 0 only
+    model_state = get_model_state_dict(model, options=options)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    if dp.rank == 0:
+        plain = load_model(parent)
+        plain.load_state_dict(model_state)
+        save_checkpoint(path, plain, _by_index(optimizer_state, plain), meta)
+    dist.barrier()

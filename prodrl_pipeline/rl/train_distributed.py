@@ -1,0 +1,71 @@
+"""Train one round data-parallel with FSDP2 (rl/distributed.py), from the round's Delta tables:
+
+    torchrun --nproc-per-node 2 -m prodrl_pipeline.rl.train_distributed \\
+        --tables .prodrl/tables --round 3 --parent <checkpoint> --out <checkpoint> \\
+        --trainer '{"steps": 16, "batch_size": 64}' --pad-id 0 --rows rows.json
+
+Every rank reads the round's advantages and the calls of those trajectories, loads the parent
+checkpoint and trains its share of each minibatch; rank 0 writes the new checkpoint in the
+single-process layout (model, Adam state, meta) and the per-step metrics rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+
+from prodrl_pipeline.records.store import DeltaStore
+from prodrl_pipeline.rl.distributed import DataParallel, load_sharded, save_consolidated
+from prodrl_pipeline.rl.estimators import EstimatorConfig
+from prodrl_pipeline.rl.trainer import TrainerConfig, train_round
+
+
+def trainer_config(settings: dict) -> TrainerConfig:
+    """A TrainerConfig from its dict form (as `dataclasses.asdict` writes it into checkpoint meta)."""
+    estimator = EstimatorConfig(**settings.get("estimator", {}))
+    return TrainerConfig(**{**settings, "estimator": estimator})
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tables", required=True, help="the store's tables folder")
+    p.add_argument("--round", type=int, required=True)
+    p.add_argument("--parent", required=True, help="the checkpoint to train from")
+    p.add_argument("--out", required=True, help="where rank 0 writes the new checkpoint")
+    p.add_argument("--trainer", default="{}", help="TrainerConfig fields as JSON")
+    p.add_argument("--pad-id", type=int, required=True)
+    p.add_argument("--behaviour-step", type=int, help="global step of the checkpoint that sampled the calls")
+    p.add_argument("--rows", help="where rank 0 writes the per-step metrics as JSON")
+    args = p.parse_args(argv)
+    dp = DataParallel.from_environment()
+    try:
+        cfg = trainer_config(json.loads(args.trainer))
+        store = DeltaStore(args.tables)
+        advantages = store.read("advantages", args.round).to_pylist()
+        trained = {a["trajectory_id"] for a in advantages}
+        calls = [c for c in store.read("calls", args.round).to_pylist() if c["trajectory_id"] in trained]
+        model, optimizer, meta = load_sharded(args.parent, cfg, dp)
+        rows = train_round(
+            model,
+            optimizer,
+            calls,
+            advantages,
+            cfg,
+            args.pad_id,
+            first_step=meta["step"],
+            behaviour_step=args.behaviour_step,
+            dp=dp,
+        )
+        out_meta = {**meta, "step": rows[-1]["step"], "parent": str(args.parent), "data_parallel": dp.world}
+        save_consolidated(args.out, model, optimizer, out_meta, args.parent, dp)
+        if dp.rank == 0 and args.rows:
+            Path(args.rows).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
