@@ -1,8 +1,19 @@
 """theta_{k+1}: S Adam steps from theta_k, with the optimizer state carried from the parent."""
 
+import json
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
-from dagster import AssetExecutionContext, BackfillPolicy, Config, Failure, MaterializeResult, asset
+from dagster import (
+    AssetExecutionContext,
+    BackfillPolicy,
+    Config,
+    Failure,
+    MaterializeResult,
+    PipesSubprocessClient,
+    asset,
+)
 
 from assets import metadata
 from assets.advantages import advantages
@@ -81,62 +92,7 @@ def _checkpoint_round(
         parent = lookup(tables, "checkpoints", "checkpoint_id", parent_id)
     except KeyError as e:
         raise Failure(description=f"round {k} trains from {parent_id}, which is not registered: {e}") from e
-    model, optimizer_state, parent_meta = load_checkpoint(parent["path"])
-    optimizer = make_optimizer(model, cfg, optimizer_state)
-    pad = lab.tokenizer().pad_token_id
-    adv = tables.read("advantages", k).to_pylist()
-    trained = set(a["trajectory_id"] for a in adv)
-    calls = [c for c in tables.read("calls", k).to_pylist() if c["trajectory_id"] in trained]
-    retokenized: dict = {}
-    if cfg.tokens == "retokenized":
-        calls, retokenized = retokenize_calls(calls, lab.tokenizer())
-        context.log.info(f"round {k}: trains on retokenized calls: {retokenized}")
-    est = cfg.estimator
-    context.log.info(
-        f"round {k}: {cfg.steps} x {cfg.batch_size} with {est.type} from {parent['checkpoint_id']}"
-    )
-
-    round_start = policy_logprobs(model, calls, cfg, pad, fake_quant=cfg.qat)
-    reference = (
-        policy_logprobs(load_deployment(deployment["path"]), calls, cfg, pad, fake_quant=False)
-        if est.type == "ref_is"
-        else None
-    )
-    tables.overwrite(
-        "policy_logprobs",
-        [
-            {
-                "call_id": c["call_id"],
-                "round": k,
-                "experiment": lab.experiment,
-                "round_start_logprobs": round_start[c["call_id"]].tolist(),
-                "reference_logprobs": reference[c["call_id"]].tolist() if reference else None,
-            }
-            for c in calls
-        ],
-        f"round = {k} AND experiment = '{lab.experiment}'",
-    )
-
-    def progress(row: dict) -> None:
-        context.log.info(
-            f"round {k} step {row['step']}: reward {row['reward_mean']:.3f} loss {row['loss']:.4f} "
-            f"|log pi_k - log mu| {row['engine_mismatch']:.4f} |log pi - log pi_k| {row['staleness']:.4f} "
-            f"clip {row['clip_fraction']:.3f} kl {row['kl']:.5f}"
-        )
-
-    rows = train_round(
-        model,
-        optimizer,
-        calls,
-        adv,
-        cfg,
-        pad,
-        first_step=parent_meta["step"],
-        round_start=round_start,
-        reference=reference,
-        behaviour_step=lookup(tables, "checkpoints", "checkpoint_id", deployment["checkpoint_id"])["step"],
-        progress=progress,
-    )
+    behaviour_step = lookup(tables, "checkpoints", "checkpoint_id", deployment["checkpoint_id"])["step"]
     ckpt_id = round_id(lab.experiment, k)
     path = store.path("checkpoints", lab.experiment, key)
     meta = {
@@ -144,15 +100,24 @@ def _checkpoint_round(
         "round": k,
         "experiment": lab.experiment,
         "parent_id": parent["checkpoint_id"],
-        "step": rows[-1]["step"],
         "trainer": asdict(cfg),
-        "model": parent_meta.get("model"),
-        "source": parent_meta.get("source"),
-        "vocab_size": parent_meta.get("vocab_size"),
         "read_versions": {t: tables.table(t).version() for t in ("calls", "trajectories", "advantages")},
         "dagster_run_id": context.run.run_id,
     }
-    save_checkpoint(path, model, optimizer.state_dict(), meta)
+    est = cfg.estimator
+    context.log.info(
+        f"round {k}: {cfg.steps} x {cfg.batch_size} with {est.type} from {parent['checkpoint_id']}"
+    )
+    if lab.trainer_processes:
+        rows, extra = _train_with_torchrun(
+            context, lab, cfg, store, k, parent["path"], path, meta, behaviour_step
+        )
+        retokenized: dict = {}
+    else:
+        rows, retokenized = _train_in_process(
+            context, lab, cfg, tables, k, parent["path"], path, meta, deployment, behaviour_step
+        )
+        extra = {}
     register_checkpoint(
         tables,
         checkpoint_id=ckpt_id,
@@ -160,7 +125,7 @@ def _checkpoint_round(
         experiment=lab.experiment,
         parent_id=parent["checkpoint_id"],
         path=str(path),
-        step=meta["step"],
+        step=rows[-1]["step"],
     )
     tables.overwrite(
         "train_steps",
@@ -174,7 +139,8 @@ def _checkpoint_round(
             "checkpoint_id": ckpt_id,
             "parent_id": parent["checkpoint_id"],
             "path": str(path),
-            "global_step": meta["step"],
+            "global_step": rows[-1]["step"],
+            **extra,
             "estimator": est.type,
             "estimator_config": asdict(est),
             "engine_mismatch": mean("engine_mismatch"),
@@ -207,4 +173,116 @@ def _checkpoint_round(
                 f"round {k}: corrections per step",
             ),
         }
+    )
+
+
+def _train_in_process(context, lab, cfg, tables, k, parent_path, path, meta, deployment, behaviour_step):  # noqa: ANN001, ANN202, PLR0913
+    """S steps in this process; writes pi_k to `policy_logprobs` and the checkpoint to `path`."""
+    model, optimizer_state, parent_meta = load_checkpoint(parent_path)
+    optimizer = make_optimizer(model, cfg, optimizer_state)
+    pad = lab.tokenizer().pad_token_id
+    adv = tables.read("advantages", k).to_pylist()
+    trained = set(a["trajectory_id"] for a in adv)
+    calls = [c for c in tables.read("calls", k).to_pylist() if c["trajectory_id"] in trained]
+    retokenized: dict = {}
+    if cfg.tokens == "retokenized":
+        calls, retokenized = retokenize_calls(calls, lab.tokenizer())
+        context.log.info(f"round {k}: trains on retokenized calls: {retokenized}")
+    round_start = policy_logprobs(model, calls, cfg, pad, fake_quant=cfg.qat)
+    reference = (
+        policy_logprobs(load_deployment(deployment["path"]), calls, cfg, pad, fake_quant=False)
+        if cfg.estimator.type == "ref_is"
+        else None
+    )
+    tables.overwrite(
+        "policy_logprobs",
+        [
+            {
+                "call_id": c["call_id"],
+                "round": k,
+                "experiment": lab.experiment,
+                "round_start_logprobs": round_start[c["call_id"]].tolist(),
+                "reference_logprobs": reference[c["call_id"]].tolist() if reference else None,
+            }
+            for c in calls
+        ],
+        f"round = {k} AND experiment = '{lab.experiment}'",
+    )
+    rows = train_round(
+        model,
+        optimizer,
+        calls,
+        adv,
+        cfg,
+        pad,
+        first_step=parent_meta["step"],
+        round_start=round_start,
+        reference=reference,
+        behaviour_step=behaviour_step,
+        progress=lambda row: _progress(context, k, row),
+    )
+    lineage = {key: parent_meta.get(key) for key in ("model", "source", "vocab_size")}
+    save_checkpoint(path, model, optimizer.state_dict(), {**meta, **lineage, "step": rows[-1]["step"]})
+    return rows, retokenized
+
+
+def _train_with_torchrun(context, lab, cfg, store, k, parent_path, path, meta, behaviour_step):  # noqa: ANN001, ANN202, PLR0913
+    """S steps data-parallel in `lab.trainer_processes` torchrun processes launched through Dagster
+    Pipes (resources/pipes_train.py); rank 0 writes the checkpoint and reports its metrics."""
+    if cfg.tokens != "recorded" or cfg.qat or cfg.estimator.type == "ref_is":
+        raise Failure(
+            description="trainer_processes > 0 trains recorded tokens without QAT, with any estimator "
+            "but ref_is"
+        )
+    rows_file = Path(path).parent / f".rows-{Path(path).name}.json"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(lab.trainer_processes),
+        "-m",
+        "resources.pipes_train",
+        "--tables",
+        store.tables().root,
+        "--round",
+        str(k),
+        "--parent",
+        str(parent_path),
+        "--out",
+        str(path),
+        "--trainer",
+        json.dumps(asdict(cfg)),
+        "--pad-id",
+        str(lab.tokenizer().pad_token_id),
+        "--behaviour-step",
+        str(behaviour_step),
+        "--rows",
+        str(rows_file),
+        "--meta",
+        json.dumps(meta, default=str),
+    ]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    results = PipesSubprocessClient().run(command=command, context=context).get_results()
+    reported = {
+        key: value.value if hasattr(value, "value") else value
+        for r in results
+        for key, value in (r.metadata or {}).items()
+    }
+    rows = json.loads(rows_file.read_text())
+    rows_file.unlink()
+    for row in rows:
+        _progress(context, k, row)
+    return rows, {
+        "trainer_processes": lab.trainer_processes,
+        **{f"pipes_{key}": v for key, v in reported.items()},
+    }
+
+
+def _progress(context: AssetExecutionContext, k: int, row: dict) -> None:
+    context.log.info(
+        f"round {k} step {row['step']}: reward {row['reward_mean']:.3f} loss {row['loss']:.4f} "
+        f"|log pi_k - log mu| {row['engine_mismatch']:.4f} |log pi - log pi_k| {row['staleness']:.4f} "
+        f"clip {row['clip_fraction']:.3f} kl {row['kl']:.5f}"
     )

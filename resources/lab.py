@@ -114,6 +114,10 @@ class LabResource(ConfigurableResource):
     """Train on the served token ids (recorded) or, to measure the naive pipeline, on ids rebuilt
     from each call's conversation (retokenized, rl/retokenize.py)."""
     microbatch_calls: int = 16
+    trainer_processes: int = 0
+    """0: train in the `checkpoint` step's own process (the embedded default). N >= 1: launch
+    `torchrun --nproc-per-node N` through Dagster Pipes, data-parallel with FSDP2
+    (rl/distributed.py; recorded tokens, no QAT, any estimator but ref_is)."""
     seed: int = 0
     """Seed of puzzle sampling, engine sampling and minibatch shuffles."""
 

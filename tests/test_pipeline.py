@@ -1,5 +1,9 @@
 """The real round graph on a real Dagster instance and real Delta tables, at tiny settings."""
 
+import json
+import math
+from pathlib import Path
+
 from dagster import AssetKey, Definitions, instance_for_test, materialize
 
 from assets.advantages import advantages
@@ -12,6 +16,7 @@ from assets.eval_report import eval_report
 from assets.partitions import round_key
 from assets.trajectories import trajectories
 from prodrl_pipeline.records.registry import BASE, lookup, register_checkpoint
+from prodrl_pipeline.rl.checkpoint import META_FILE
 from resources.lab import LabResource
 from resources.store import StoreResource
 
@@ -339,3 +344,21 @@ def test_async1_collects_from_two_rounds_back_and_trains_on_from_the_previous_ro
     lag = {(r["round"], r["step"]): r["policy_lag_steps"] for r in tables.read("train_steps").to_pylist()}
     # optimizer steps between the sampling checkpoint and the trained policy: S = 2 behind from round 2 on
     assert lag == {(1, 1): 0, (1, 2): 1, (2, 3): 2, (2, 4): 3, (3, 5): 2, (3, 6): 3}
+
+
+def test_a_round_trains_data_parallel_in_torchrun_processes_launched_through_pipes(tmp_path):
+    resources = _resources(tmp_path, trainer_processes=2)
+    with instance_for_test() as instance:
+        run_rounds(instance, resources, (1,))
+        meta = instance.get_latest_materialization_event(
+            AssetKey("checkpoint")
+        ).asset_materialization.metadata
+    assert meta["trainer_processes"].value == 2
+    assert meta["pipes_global_step"].value == meta["global_step"].value == 2  # reported by rank 0
+    tables = resources["store"].tables()
+    ckpt = lookup(tables, "checkpoints", "checkpoint_id", "main-r000001")
+    saved = json.loads((Path(ckpt["path"]) / META_FILE).read_text())
+    assert saved["data_parallel"] == 2 and saved["parent_id"] == BASE and saved["step"] == 2
+    steps = tables.read("train_steps", 1).to_pylist()
+    assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["loss"]) for r in steps)
+    assert tables.live_deployment()["deployment_id"] == "main-r000001"  # the round went on to deploy

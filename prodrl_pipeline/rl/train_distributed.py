@@ -29,7 +29,7 @@ def trainer_config(settings: dict) -> TrainerConfig:
     return TrainerConfig(**{**settings, "estimator": estimator})
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tables", required=True, help="the store's tables folder")
     p.add_argument("--round", type=int, required=True)
@@ -39,7 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pad-id", type=int, required=True)
     p.add_argument("--behaviour-step", type=int, help="global step of the checkpoint that sampled the calls")
     p.add_argument("--rows", help="where rank 0 writes the per-step metrics as JSON")
-    args = p.parse_args(argv)
+    p.add_argument("--meta", default="{}", help="JSON merged into the new checkpoint's meta")
+    return p
+
+
+def run(argv: list[str] | None = None) -> tuple[list[dict], int]:
+    """Train the round (collective); returns the per-step rows and this process's rank."""
+    args = parser().parse_args(argv)
     dp = DataParallel.from_environment()
     try:
         cfg = trainer_config(json.loads(args.trainer))
@@ -59,13 +65,14 @@ def main(argv: list[str] | None = None) -> None:
             behaviour_step=args.behaviour_step,
             dp=dp,
         )
-        out_meta = {**meta, "step": rows[-1]["step"], "parent": str(args.parent), "data_parallel": dp.world}
+        out_meta = {**meta, **json.loads(args.meta), "step": rows[-1]["step"], "data_parallel": dp.world}
         save_consolidated(args.out, model, optimizer, out_meta, args.parent, dp)
         if dp.rank == 0 and args.rows:
             Path(args.rows).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
+    return rows, dp.rank
 
 
 if __name__ == "__main__":
-    main()
+    run()
