@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DAGSTER_HOME ?= $(CURDIR)/.prodrl/dagster_home
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install demo test test-slow ui serve lint format clean data bench study
+.PHONY: install system-packages demo test test-slow ui serve lint format clean data bench study
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,7 +27,14 @@ study: install $(DAGSTER_HOME)/dagster.yaml  ## the lab study (docs/results.md):
 	$(BIN)/python -m assets.study run
 	$(BIN)/python -m assets.study report
 
-test: install  ## the test suite (slow experiments excluded)
+# Services the tests start on loopback: PostgreSQL (Dagster storage). Installed from Debian's
+# packages when missing (as root); the tests find its binaries under /usr/lib/postgresql.
+system-packages:
+	@ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends postgresql; \
+	  else echo "PostgreSQL is missing: install Debian's postgresql package (as root)"; exit 1; fi; }
+
+test: install system-packages  ## the test suite (slow experiments excluded)
 	$(BIN)/pytest -q -m "not slow"
 
 test-slow: install
