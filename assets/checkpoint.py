@@ -1,6 +1,7 @@
 """theta_{k+1}: S Adam steps from theta_k, with the optimizer state carried from the parent."""
 
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -14,18 +15,22 @@ from dagster import (
     PipesSubprocessClient,
     asset,
 )
+from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises; not exported
 
 from assets import metadata
 from assets.advantages import advantages
 from assets.partitions import merged, ordered_keys, round_number, rounds
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup, register_checkpoint, round_id
-from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
+from prodrl_pipeline.rl.checkpoint import LINEAGE_KEYS, load_checkpoint, save_checkpoint
 from prodrl_pipeline.rl.retokenize import retokenize_calls
 from prodrl_pipeline.rl.trainer import make_optimizer, policy_logprobs, train_round
 from prodrl_pipeline.rounds import parent_checkpoint
 from resources.lab import EstimatorSettings, LabResource
 from resources.store import StoreResource
+
+REPO = Path(__file__).resolve().parent.parent
+"""The repository root: the trainer processes run `-m resources.pipes_train` from it."""
 
 STEP_COLUMNS = [
     "policy_lag_steps",
@@ -221,20 +226,23 @@ def _train_in_process(context, lab, cfg, tables, k, parent_path, path, meta, dep
         behaviour_step=behaviour_step,
         progress=lambda row: _progress(context, k, row),
     )
-    lineage = {key: parent_meta.get(key) for key in ("model", "source", "vocab_size")}
+    lineage = {key: parent_meta.get(key) for key in LINEAGE_KEYS}
     save_checkpoint(path, model, optimizer.state_dict(), {**meta, **lineage, "step": rows[-1]["step"]})
     return rows, retokenized
 
 
 def _train_with_torchrun(context, lab, cfg, store, k, parent_path, path, meta, behaviour_step):  # noqa: ANN001, ANN202, PLR0913
     """S steps data-parallel in `lab.trainer_processes` torchrun processes launched through Dagster
-    Pipes (resources/pipes_train.py); rank 0 writes the checkpoint and reports its metrics."""
+    Pipes (resources/pipes_train.py, run from the repository root); rank 0 writes the checkpoint
+    and reports its metrics. pi_k stays inside the processes: `policy_logprobs` keeps no rows for
+    such a round."""
     if cfg.tokens != "recorded" or cfg.qat or cfg.estimator.type == "ref_is":
         raise Failure(
             description="trainer_processes > 0 trains recorded tokens without QAT, with any estimator "
             "but ref_is"
         )
-    rows_file = Path(path).parent / f".rows-{Path(path).name}.json"
+    path = Path(path).resolve()
+    rows_file = path.parent / f".rows-{path.name}.json"
     command = [
         sys.executable,
         "-m",
@@ -245,11 +253,11 @@ def _train_with_torchrun(context, lab, cfg, store, k, parent_path, path, meta, b
         "-m",
         "resources.pipes_train",
         "--tables",
-        store.tables().root,
+        str(Path(store.tables().root).resolve()),
         "--round",
         str(k),
         "--parent",
-        str(parent_path),
+        str(Path(parent_path).resolve()),
         "--out",
         str(path),
         "--trainer",
@@ -263,15 +271,28 @@ def _train_with_torchrun(context, lab, cfg, store, k, parent_path, path, meta, b
         "--meta",
         json.dumps(meta, default=str),
     ]
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    results = PipesSubprocessClient().run(command=command, context=context).get_results()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    try:
+        results = (
+            PipesSubprocessClient(cwd=str(REPO), env=env).run(command=command, context=context).get_results()
+        )
+        rows = json.loads(rows_file.read_text())
+    except DagsterPipesExecutionError as e:
+        raise Failure(
+            description=f"round {k}: the {lab.trainer_processes} trainer processes failed ({e}); "
+            "their tracebacks are in this step's stderr"
+        ) from e
+    finally:
+        rows_file.unlink(missing_ok=True)
+    store.tables(context.run.run_id).overwrite(
+        "policy_logprobs", [], f"round = {k} AND experiment = '{lab.experiment}'"
+    )  # rows an earlier in-process run left would not match this checkpoint
     reported = {
         key: value.value if hasattr(value, "value") else value
         for r in results
         for key, value in (r.metadata or {}).items()
     }
-    rows = json.loads(rows_file.read_text())
-    rows_file.unlink()
     for row in rows:
         _progress(context, k, row)
     return rows, {

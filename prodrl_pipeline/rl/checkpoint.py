@@ -17,6 +17,8 @@ from transformers import PreTrainedModel
 from prodrl_pipeline.model import load_model
 
 OPTIMIZER_FILE, META_FILE = "optimizer.pt", "prodrl.json"
+LINEAGE_KEYS = ("model", "source", "vocab_size")
+"""Meta a trained checkpoint inherits from its parent: what the base model was built from."""
 
 
 def save_checkpoint(

@@ -6,7 +6,7 @@ single-process gradient (FSDP2 averages over ranks, so each rank's loss is scale
 size). Every forward and backward of a sharded model is collective, so every rank runs
 the same number of microbatches (a rank with fewer repeats one with weight 0). Metrics are reduced
 over ranks, so every rank returns the same rows. On CPU the backend is gloo (tested with 2
-processes); on GPUs, NCCL.
+processes); GPU data parallelism (NCCL, a device per rank) is not built yet.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import PreTrainedModel
 
@@ -60,17 +61,17 @@ class DataParallel:
 
     @classmethod
     def from_environment(cls) -> DataParallel:
-        """The group torchrun started (initialized here if it is not yet)."""
+        """The group torchrun started (initialized here if it is not yet). CPU and gloo only for
+        now: the trainer keeps its tensors on the CPU (GPU data parallelism needs per-rank
+        devices and NCCL; not built yet)."""
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group("gloo")
         return cls(dist.get_rank(), dist.get_world_size())
 
     def share(self, tokens: dict[str, int]) -> set[str]:
         """This rank's trajectories of a minibatch (`tokens`: trajectory id -> completion tokens):
         longest first, each to the rank with the fewest tokens so far (ties to the lower rank);
-        the same on every rank."""
-        if len(tokens) < self.world:
-            raise ValueError(f"a minibatch of {len(tokens)} trajectories cannot feed {self.world} ranks")
+        the same on every rank. A rank may get none (a minibatch smaller than the group)."""
         load = [0] * self.world
         mine = set()
         for t in sorted(tokens, key=lambda t: (-tokens[t], t)):
@@ -92,22 +93,22 @@ class DataParallel:
         dist.all_reduce(out, op=dist.ReduceOp.MAX)
         return int(out)
 
-    def lockstep(self, items: list) -> Iterator[tuple[object, bool]]:
-        """`items` as (item, real), padded with (items[0], False) to the longest list over ranks."""
+    def lockstep(self, items: list, spare: object) -> Iterator[tuple[object, bool]]:
+        """`items` as (item, real), padded with (items[0] or `spare`, False) to the longest list
+        over ranks: a padding pass runs the same collectives and contributes nothing."""
         n = self.most(len(items))
-        if n and not items:
-            raise ValueError(f"rank {self.rank} has nothing to run while another rank has {n} passes")
         for i in range(n):
-            yield (items[i], True) if i < len(items) else (items[0], False)
+            yield (items[i], True) if i < len(items) else (items[0] if items else spare, False)
 
 
 def shard_model(model: PreTrainedModel, dp: DataParallel) -> PreTrainedModel:
     """FSDP2 over each decoder layer and over the log-prob module around `model` (dp.module).
     FSDP2 averages gradients over ranks: the trainer scales each rank's loss by the world size so
     that the average is the sum (gloo has no pre-multiplied sum for a divide factor of 1)."""
+    mesh = init_device_mesh("cpu", (dp.world,))
     for layer in model.model.layers:
-        fully_shard(layer)
-    dp.module = fully_shard(LogprobModule(model))
+        fully_shard(layer, mesh=mesh)
+    dp.module = fully_shard(LogprobModule(model), mesh=mesh)
     return model
 
 

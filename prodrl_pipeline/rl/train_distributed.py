@@ -18,6 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from prodrl_pipeline.records.store import DeltaStore
+from prodrl_pipeline.rl.checkpoint import LINEAGE_KEYS
 from prodrl_pipeline.rl.distributed import DataParallel, load_sharded, save_consolidated
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.trainer import TrainerConfig, train_round
@@ -65,7 +66,8 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], int]:
             behaviour_step=args.behaviour_step,
             dp=dp,
         )
-        out_meta = {**meta, **json.loads(args.meta), "step": rows[-1]["step"], "data_parallel": dp.world}
+        lineage = {key: meta.get(key) for key in LINEAGE_KEYS}
+        out_meta = {**lineage, **json.loads(args.meta), "step": rows[-1]["step"], "data_parallel": dp.world}
         save_consolidated(args.out, model, optimizer, out_meta, args.parent, dp)
         if dp.rank == 0 and args.rows:
             Path(args.rows).write_text(json.dumps(rows))

@@ -118,10 +118,13 @@ def _token_logprobs(
     return token_logprobs(model, seqs, cfg.logprob_chunk_tokens, w_hat)
 
 
-def _passes(micros: list[list[dict]], dp: DataParallel | None) -> Iterator[tuple[list[dict], bool]]:
+def _passes(
+    micros: list[list[dict]], dp: DataParallel | None, spare: list[dict]
+) -> Iterator[tuple[list[dict], bool]]:
     """(microbatch, real): the microbatches, padded under data parallelism so that every rank runs
-    as many forward/backward passes as the busiest one (a padding pass is not real)."""
-    return dp.lockstep(micros) if dp else ((m, True) for m in micros)
+    as many forward/backward passes as the busiest one (a padding pass is not real; `spare` is
+    what a rank with nothing of its own runs)."""
+    return dp.lockstep(micros, spare) if dp else ((m, True) for m in micros)
 
 
 @torch.no_grad()
@@ -133,14 +136,16 @@ def policy_logprobs(
     *,
     fake_quant: bool,
     dp: DataParallel | None = None,
+    spare: list[dict] | None = None,
 ) -> dict[str, torch.Tensor]:
     """log pi of every completion token over its recorded support, per call_id ([T] each): pi_k
     with theta_k before the first step (`fake_quant` = cfg.qat), or the reference from the already
     dequantized deployment (`fake_quant` = False: the reference is W_hat as served, not a second
-    round trip of it). With `dp`, `calls` are this rank's and the passes run in lockstep."""
+    round trip of it). With `dp`, `calls` are this rank's and the passes run in lockstep (`spare`:
+    calls a rank with none of its own runs, results unused)."""
     out = {}
     w_hat = served_weights(model) if fake_quant else None
-    for mb, real in _passes(_microbatches(calls, cfg.microbatch_calls), dp):
+    for mb, real in _passes(_microbatches(calls, cfg.microbatch_calls), dp, spare):
         lp = _token_logprobs(model, build_sequences(mb, pad_id), cfg, w_hat, dp).logprobs
         if real:
             for c, part in zip(mb, lp.split([len(c["completion_token_ids"]) for c in mb]), strict=True):
@@ -205,7 +210,8 @@ def train_round(
     if round_start is None:
         mine = set().union(*shares)
         trained = [c for a in advantages if a["trajectory_id"] in mine for c in by_traj[a["trajectory_id"]]]
-        round_start = policy_logprobs(model, trained, cfg, pad_id, fake_quant=cfg.qat, dp=dp)
+        spare = by_traj[advantages[0]["trajectory_id"]]
+        round_start = policy_logprobs(model, trained, cfg, pad_id, fake_quant=cfg.qat, dp=dp, spare=spare)
     rows = []
     for step, (mb, share) in enumerate(zip(ordered, shares, strict=True)):
         t0 = time.perf_counter()
@@ -217,13 +223,13 @@ def train_round(
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
         loss_total, dropped = 0.0, set()
         micros = _microbatches([c for t in adv if t in share for c in by_traj[t]], cfg.microbatch_calls)
-        for micro, real in _passes(micros, dp):
+        for micro, real in _passes(micros, dp, by_traj[mb[0]["trajectory_id"]]):
             seqs = build_sequences(micro, pad_id)
             lp = _token_logprobs(model, seqs, cfg, w_hat, dp)
             owner = [c["trajectory_id"] for c in micro for _ in c["completion_token_ids"]]
             index = {t: i for i, t in enumerate(dict.fromkeys(owner))}
             free = seqs.free
-            pi_k = torch.cat([round_start[c["call_id"]] for c in micro])
+            pi_k = torch.cat([round_start[c["call_id"]] for c in micro]) if real else lp.logprobs.detach()
             mu, head_mu = seqs.deployment_logprobs, seqs.head_deployment_logprobs
             if cfg.tokens == "retokenized":  # NaN: no recorded log-prob; taken as on-policy, mu = pi_k
                 mu = torch.where(mu.isnan(), pi_k, mu)
@@ -246,17 +252,18 @@ def train_round(
             j, diag = objective(x, est)
             loss = aggregate(j, weight)
             (loss * dp.world if dp else loss).backward()  # FSDP2 averages over ranks: this sums
-            if not real:  # a lockstep pass: no gradient, no statistics
-                continue
-            loss_total += loss.item()
-            cur = lp.logprobs.detach()
-            stats["engine"].append((x.round_start_logprobs - x.deployment_logprobs)[free].abs())
-            stats["stale"].append((cur - x.round_start_logprobs)[free].abs())
-            stats["total"].append((cur - x.deployment_logprobs)[free].abs())
-            stats["entropy"].append(lp.entropy[free])
+            counted = free if real else torch.zeros_like(free)  # a lockstep pass counts no token,
+            cur = lp.logprobs.detach()  # but lists the same statistics (ranks reduce them together)
+            stats["engine"].append((x.round_start_logprobs - x.deployment_logprobs)[counted].abs())
+            stats["stale"].append((cur - x.round_start_logprobs)[counted].abs())
+            stats["total"].append((cur - x.deployment_logprobs)[counted].abs())
+            stats["entropy"].append(lp.entropy[counted])
             for key in ("clipped", "rho_truncated", "kl"):
                 if key in diag:
-                    stats[key].append(diag[key][free])
+                    stats[key].append(diag[key][counted])
+            if not real:
+                continue
+            loss_total += loss.item()
             if "dropped" in diag:
                 dropped |= {t for t, d in zip(owner, diag["dropped"].tolist(), strict=True) if d}
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
@@ -267,7 +274,7 @@ def train_round(
             group["lr"] = lr
         optimizer.step()
         mean = _means(stats, dp)
-        counts = torch.tensor([loss_total, float(len(dropped))])
+        counts = torch.tensor([loss_total, float(len(dropped))], dtype=torch.float64)
         loss_total, n_dropped = (dp.sum(counts) if dp else counts).tolist()
         row = {
             "step": first_step + step + 1,
