@@ -22,12 +22,20 @@ PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "policy_log
 
 
 class DeltaStore:
-    """The project's tables under `root`; `commit_metadata` is attached to every commit
-    (e.g. the Dagster run id), visible in each table's `history()`."""
+    """The project's tables under `root` (a folder or an object-store URI such as s3://bucket/tables,
+    reached with `storage_options`: endpoint, credentials, region); `commit_metadata` is attached to
+    every commit (e.g. the Dagster run id), visible in each table's `history()`. On S3, commits are
+    conditional writes: concurrent writers need no lock service."""
 
-    def __init__(self, root: str | Path, commit_metadata: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        commit_metadata: Mapping[str, str] | None = None,
+        storage_options: Mapping[str, str] | None = None,
+    ):
         self.root = str(root).rstrip("/")
         self.commit_metadata = dict(commit_metadata or {})
+        self.storage_options = dict(storage_options or {}) or None
 
     def uri(self, table: str) -> str:
         if table not in TABLES:
@@ -35,10 +43,10 @@ class DeltaStore:
         return f"{self.root}/{table}"
 
     def exists(self, table: str) -> bool:
-        return DeltaTable.is_deltatable(self.uri(table))
+        return DeltaTable.is_deltatable(self.uri(table), storage_options=self.storage_options)
 
     def table(self, table: str, version: int | None = None) -> DeltaTable:
-        return DeltaTable(self.uri(table), version=version)
+        return DeltaTable(self.uri(table), version=version, storage_options=self.storage_options)
 
     def _commit(
         self, extra: Mapping[str, str] | None, transaction: tuple[str, int] | None = None
@@ -62,6 +70,7 @@ class DeltaStore:
             write_deltalake(
                 self.uri(table),
                 data,
+                storage_options=self.storage_options,
                 mode="overwrite",
                 partition_by=partition_by,
                 commit_properties=self._commit({"predicate": predicate}),
@@ -70,6 +79,7 @@ class DeltaStore:
             write_deltalake(
                 self.uri(table),
                 data,
+                storage_options=self.storage_options,
                 mode="overwrite",
                 predicate=predicate,
                 partition_by=partition_by,
@@ -97,6 +107,7 @@ class DeltaStore:
         write_deltalake(
             self.uri(table),
             self._conform(table, rows),
+            storage_options=self.storage_options,
             mode="append",
             partition_by=["round"] if table in PARTITIONED else None,
             schema_mode="merge",
