@@ -3,6 +3,8 @@ trainer on the same round: the same per-step loss and metrics, the same paramete
 
 import copy
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -14,6 +16,20 @@ from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
 from prodrl_pipeline.rl.distributed import DataParallel
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
 from tests.rl.test_trainer import _advantages
+
+
+def _torchrun(command: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run torchrun in its own process group, so that a hang kills its workers too."""
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def test_shares_cover_each_minibatch_once_balanced_by_tokens():
@@ -42,7 +58,7 @@ def test_two_process_fsdp2_round_equals_the_single_process_round(tiny_model, rec
     store.overwrite_round("calls", recorded.calls, 1)
     store.overwrite_round("advantages", adv, 1)
     trainer = {k: v for k, v in vars(cfg).items() if k != "estimator"}
-    run = subprocess.run(
+    run = _torchrun(
         [
             sys.executable,
             "-m",
@@ -67,9 +83,6 @@ def test_two_process_fsdp2_round_equals_the_single_process_round(tiny_model, rec
             "--rows",
             str(tmp_path / "rows.json"),
         ],
-        capture_output=True,
-        text=True,
-        timeout=180,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
