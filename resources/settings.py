@@ -75,7 +75,7 @@ def settings_from_environment(env: Mapping[str, str] = os.environ) -> dict[str, 
     """Every section (`lab`, `store`, `sensor`), with the fields the settings file names
     (ValueError, naming the file and the setting, for a missing, empty or unparsable file, a key
     given twice, an unknown section or field at any depth, or a bad value)."""
-    path = env.get(SETTINGS_VARIABLE)
+    path = env.get(SETTINGS_VARIABLE) or None  # set but empty: unset
     if path is None:
         return {name: cls() for name, cls in SECTIONS.items()}
     where = f"{SETTINGS_VARIABLE}={path!r}"

@@ -22,6 +22,7 @@ store:
 def test_unset_is_the_embedded_lab():
     resources = resources_from_environment({})
     assert resources["lab"].source == "lab" and resources["store"].root == ".prodrl"
+    assert resources_from_environment({"PRODRL_SETTINGS": ""})["lab"].source == "lab"  # empty is unset
 
 
 def test_a_settings_file_selects_production_its_experiment_thresholds_and_store(tmp_path):
