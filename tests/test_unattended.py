@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, RunsFilter
@@ -159,8 +160,6 @@ def run_unattended(
 
 
 def gateway_health(gateway: GatewayProcess) -> dict:
-    import httpx
-
     return httpx.get(f"{gateway.url}/healthz", timeout=5).json()
 
 

@@ -198,14 +198,15 @@ def train_round(
             raise ValueError(f"trajectory {a['trajectory_id']} has an advantage but no calls")
         minibatches[a["minibatch"]].append(a)
 
-    def tokens(mb: list[dict]) -> dict[str, int]:
-        return {
+    ordered = [minibatches[k] for k in sorted(minibatches)]
+    lengths = [  # completion tokens T_i of each minibatch's trajectories
+        {
             a["trajectory_id"]: sum(len(c["completion_token_ids"]) for c in by_traj[a["trajectory_id"]])
             for a in mb
         }
-
-    ordered = [minibatches[k] for k in sorted(minibatches)]
-    shares = [dp.share(tokens(mb)) if dp else {a["trajectory_id"] for a in mb} for mb in ordered]
+        for mb in ordered
+    ]
+    shares = [dp.share(length) if dp else set(length) for length in lengths]
     model.eval()  # Qwen3 has no dropout; eval keeps pi_k and pi numerically identical at step 0
     if round_start is None:
         mine = set().union(*shares)
@@ -213,11 +214,10 @@ def train_round(
         spare = by_traj[advantages[0]["trajectory_id"]]
         round_start = policy_logprobs(model, trained, cfg, pad_id, fake_quant=cfg.qat, dp=dp, spare=spare)
     rows = []
-    for step, (mb, share) in enumerate(zip(ordered, shares, strict=True)):
+    for step, (mb, length, share) in enumerate(zip(ordered, lengths, shares, strict=True)):
         t0 = time.perf_counter()
         n_traj = len(mb)
         adv = {a["trajectory_id"]: a["advantage"] for a in mb}
-        length = tokens(mb)
         optimizer.zero_grad(set_to_none=True)
         w_hat = served_weights(model) if cfg.qat else None
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
