@@ -25,6 +25,8 @@ from prodrl_pipeline.rounds import goes_live
 from resources.lab import LabResource
 from resources.store import StoreResource
 
+CALIBRATION_CALLS = 16
+
 
 @asset(
     partitions_def=rounds,
@@ -56,7 +58,14 @@ def _deployment_round(
     model, _, _ = load_checkpoint(ckpt["path"])
     dep_id = round_id(lab.experiment, k)
     path = store.path("deployments", lab.experiment, key)
-    export_deployment(model, path, lab.quant_format)
+    calls = tables.read("calls", k).slice(0, CALIBRATION_CALLS)  # activation scales from real traffic
+    calibration = [
+        p + c
+        for p, c in zip(
+            calls["prompt_token_ids"].to_pylist(), calls["completion_token_ids"].to_pylist(), strict=True
+        )
+    ]
+    export_deployment(model, path, lab.quant_format, calibration)
     register_deployment(
         tables,
         deployment_id=dep_id,

@@ -1,18 +1,22 @@
-"""NVFP4 deployment export (ModelOpt's `NVFP4QTensor`, which runs on CPU) and its dequantized load.
+"""NVFP4 deployment export (ModelOpt's HF export, which runs on CPU) and its dequantized load.
 
 Every linear layer of the transformer blocks is quantized; embeddings, norms and `lm_head` stay
 in full precision (docs/engines.md). Per linear: `weight` uint8 [out, in/2] (two E2M1 codes a byte),
-`weight_scale` FP8 E4M3 [out, in/16], `weight_scale_2` FP32 scalar; q/k/v share one
-`weight_scale_2`, and so do gate/up (vLLM fuses them). The export directory mirrors ModelOpt's HF
-export (`hf_quant_config.json`), and the embedded engine serves the dequantized weights W_hat, so
-mu differs from the trainer's pi as a real quantized deployment does (Hopper: W4A16).
+`weight_scale` FP8 E4M3 [out, in/16], `weight_scale_2` FP32 scalar and the activation
+`input_scale`; q/k/v share one `weight_scale_2`, and so do gate/up (vLLM fuses them).
+`quantize_state` computes the same codes and scales directly with ModelOpt's `NVFP4QTensor`
+(for QAT's W_hat). The embedded engine serves the dequantized weights W_hat, so mu differs from
+the trainer's pi as a real quantized deployment does (Hopper: W4A16).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import copy
+import io
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -21,6 +25,8 @@ with warnings.catch_warnings():  # modelopt warns on every transformers it was n
     warnings.filterwarnings(
         "ignore", message="transformers .* is not tested with current version of modelopt"
     )
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -71,7 +77,7 @@ def dequantize_state(exported: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     """Full-precision state dict with every quantized weight replaced by W_hat = q * sb * s2."""
     out = {}
     for name, t in exported.items():
-        if name.endswith((".weight_scale", ".weight_scale_2")):
+        if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
             continue
         base = name.removesuffix(".weight")
         if name.endswith(".weight") and f"{base}.weight_scale" in exported:
@@ -88,26 +94,45 @@ def dequantize_state(exported: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def export_deployment(model: PreTrainedModel, path: str | Path, quant_format: str) -> None:
-    """Write a deployable model directory: `nvfp4` (ModelOpt layout) or `none` (full precision)."""
+def export_deployment(
+    model: PreTrainedModel,
+    path: str | Path,
+    quant_format: str,
+    calibration: Sequence[Sequence[int]] = (),
+) -> None:
+    """Write a deployable model directory: `nvfp4` or `none` (full precision, safetensors).
+
+    `nvfp4` is ModelOpt's own HF export: `mtq.quantize` with `NVFP4_DEFAULT_CFG` (max calibration)
+    on a copy of the model, then `export_hf_checkpoint`, the artifact vLLM loads (`hf_quant_config.json`,
+    `quantization_config` in config.json). Its weight codes and scales are `quantize_state`'s
+    (tests/quant/test_nvfp4.py). The forward passes over `calibration` (token-id sequences, e.g.
+    recorded calls) set only the activation `input_scale`s, which W4A4 kernels use and W4A16
+    serving (the embedded engine, Hopper) ignores; without them a fixed random batch stands in.
+    """
     if quant_format not in ("nvfp4", "none"):
         raise ValueError(f"quant_format must be 'nvfp4' or 'none', got {quant_format!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(path)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    if quant_format == "nvfp4":
-        state = quantize_state(state)
-        quant_config = {
-            "producer": {"name": "prodrl", "via": "modelopt.NVFP4QTensor"},
-            "quantization": {
-                "quant_algo": "NVFP4",
-                "group_size": BLOCK,
-                "exclude_modules": ["lm_head", "model.embed_tokens"],
-            },
-        }
-        (path / "hf_quant_config.json").write_text(json.dumps(quant_config, indent=2))
-    save_file(state, str(path / "model.safetensors"))
+    if quant_format == "none":
+        model.config.save_pretrained(path)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        save_file(state, str(path / "model.safetensors"))
+        return
+    quantized = copy.deepcopy(model).float().eval()
+    quantized.config.architectures = quantized.config.architectures or [type(model).__name__]
+    batches = [torch.tensor([list(ids)]) for ids in calibration if len(ids)] or [
+        torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    ]
+
+    def forward_loop(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for ids in batches:
+                m(ids)
+
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # ModelOpt prints
+        warnings.simplefilter("ignore")  # per module and warns on torch_dtype
+        mtq.quantize(quantized, mtq.NVFP4_DEFAULT_CFG, forward_loop)
+        export_hf_checkpoint(quantized, export_dir=path)
 
 
 def load_deployment(path: str | Path) -> PreTrainedModel:

@@ -1,6 +1,10 @@
+import json
+
 import torch
+from safetensors.torch import load_file
 
 from prodrl_pipeline.quant.nvfp4 import (
+    QUANTIZED,
     dequantize_state,
     export_deployment,
     load_deployment,
@@ -98,3 +102,31 @@ def test_nvfp4_round_trip_matches_an_independent_reference():
     # the tie row, by hand: each midpoint goes to its even neighbour (0, 1, 1, 2, 2, 4, 4, 6, ...)
     expected = torch.tensor([0, 1, 1, 2, 2, 4, 4, 6, -0.0, -1, -2, -4, -4, 0, 0, 6], dtype=torch.float32)
     assert torch.equal(got["model.layers.0.mlp.down_proj.weight"][0, :16], expected)
+
+
+def test_modelopt_export_is_the_deployed_artifact(tiny_model, tmp_path):
+    """The nvfp4 export is ModelOpt's HF export (what vLLM loads), its weight codes and scales are
+    exactly `quantize_state`'s, and it dequantizes to the W_hat the embedded engine and QAT use."""
+    calls = [[1, 5, 9, 13, 2], [3, 4, 4, 7]]
+    export_deployment(tiny_model, tmp_path / "fp4", "nvfp4", calibration=calls)
+    files = {p.name for p in (tmp_path / "fp4").iterdir()}
+    assert {"hf_quant_config.json", "config.json", "model.safetensors"} <= files
+    quant = json.loads((tmp_path / "fp4" / "hf_quant_config.json").read_text())
+    assert quant["producer"]["name"] == "modelopt"
+    assert quant["quantization"]["quant_algo"] == "NVFP4" and quant["quantization"]["group_size"] == 16
+    config = json.loads((tmp_path / "fp4" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "modelopt"
+    exported = load_file(str(tmp_path / "fp4" / "model.safetensors"))
+    state = {k: v for k, v in tiny_model.state_dict().items() if k != "lm_head.weight"}
+    ours = quantize_state(state)
+    assert set(exported) == set(ours) | {
+        n.replace(".weight", ".input_scale") for n in state if QUANTIZED.match(n)
+    }
+    for name, t in ours.items():
+        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
+    assert all(float(exported[n]) > 0 for n in exported if n.endswith(".input_scale"))
+    served = load_deployment(tmp_path / "fp4").state_dict()
+    w_hat = round_trip({n: w for n, w in state.items() if QUANTIZED.match(n)})
+    for name, w in w_hat.items():
+        assert torch.equal(served[name], w), name
+    assert type(tiny_model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # caller's model untouched
