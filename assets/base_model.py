@@ -37,8 +37,13 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         "warm_start": asdict(warm) if warm else None,
         "data": None if lab.base_checkpoint else base_inputs_digest(lab.data_dir),
     }
-    path = store.path("checkpoints", BASE)
-    stored = json.loads((path / META_FILE).read_text()) if (path / META_FILE).exists() else None
+    artifacts = store.artifacts()
+    path = artifacts.uri("checkpoints", BASE)
+    try:
+        stored_file = artifacts.local(path) / META_FILE
+    except FileNotFoundError:  # nothing stored on the object store yet
+        stored_file = None
+    stored = json.loads(stored_file.read_text()) if stored_file and stored_file.exists() else None
     cached = stored == meta
     if stored is not None and not cached and (trained := children(tables, BASE)):
         changed = sorted(k for k in meta.keys() | stored.keys() if meta.get(k) != stored.get(k))
@@ -49,29 +54,33 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         )
     warm_rows: list[dict] = []
     if cached or lab.base_checkpoint:
-        model = load_model(path if cached else lab.base_checkpoint)
+        model = load_model(stored_file.parent if cached else lab.base_checkpoint)
     else:
         model = build_model(lab.tiny_model(), len(tok), tok.pad_token_id)
         warm_rows = _warm_start(context, lab, model, warm)
     if not cached:
-        save_checkpoint(path, model, None, meta)
+        with artifacts.writing(path) as folder:
+            save_checkpoint(folder, model, None, meta)
     register_checkpoint(
-        tables, checkpoint_id=BASE, round_=0, experiment="", parent_id=None, path=str(path), step=0
+        tables, checkpoint_id=BASE, round_=0, experiment="", parent_id=None, path=path, step=0
     )
-    deploy_path = store.path("deployments", BASE)
-    export_deployment(model, deploy_path, lab.quant_format)
+    deploy_path = artifacts.uri("deployments", BASE)
+    with artifacts.writing(deploy_path) as folder:
+        export_deployment(model, folder, lab.quant_format)
     register_deployment(
         tables,
         deployment_id=BASE,
         round_=0,
         checkpoint_id=BASE,
-        path=str(deploy_path),
+        path=deploy_path,
         quant_format=lab.quant_format,
         sampling_json=json.dumps(asdict(lab.sampling())),
     )
     if tables.live_deployment() is None:
         tables.set_live(BASE)
-    results = evaluate_deployment(tables, lab, lookup(tables, "deployments", "deployment_id", BASE), 0)
+    results = evaluate_deployment(
+        tables, lab, artifacts, lookup(tables, "deployments", "deployment_id", BASE), 0
+    )
     context.log.info(
         f"base model: {n_parameters(model):,} parameters, held-out solve rate {solve_rate(results):.3f}"
     )
@@ -81,8 +90,8 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
             "vocab_size": len(tok),
             "source": source,
             "cached": cached,
-            "checkpoint_path": str(path),
-            "deployment_path": str(deploy_path),
+            "checkpoint_path": path,
+            "deployment_path": deploy_path,
             "quant_format": lab.quant_format,
             "heldout_solve_rate": solve_rate(results),
             **{f"heldout_solve_rate_{theme}": rate for theme, rate in solve_rates_by_theme(results).items()},

@@ -20,6 +20,7 @@ from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubproc
 from assets import metadata
 from assets.advantages import advantages
 from assets.partitions import merged, ordered_keys, round_number, rounds
+from prodrl_pipeline.artifacts import STORAGE_OPTIONS_ENV, is_remote
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup, register_checkpoint, round_id
 from prodrl_pipeline.rl.checkpoint import LINEAGE_KEYS, load_checkpoint, save_checkpoint
@@ -99,7 +100,8 @@ def _checkpoint_round(
         raise Failure(description=f"round {k} trains from {parent_id}, which is not registered: {e}") from e
     behaviour_step = lookup(tables, "checkpoints", "checkpoint_id", deployment["checkpoint_id"])["step"]
     ckpt_id = round_id(lab.experiment, k)
-    path = store.path("checkpoints", lab.experiment, key)
+    artifacts = store.artifacts()
+    path = artifacts.uri("checkpoints", lab.experiment, key)
     meta = {
         "checkpoint_id": ckpt_id,
         "round": k,
@@ -113,23 +115,26 @@ def _checkpoint_round(
     context.log.info(
         f"round {k}: {cfg.steps} x {cfg.batch_size} with {est.type} from {parent['checkpoint_id']}"
     )
-    if lab.trainer_processes:
-        rows, extra = _train_with_torchrun(
-            context, lab, cfg, store, k, parent["path"], path, meta, behaviour_step
-        )
-        retokenized: dict = {}
-    else:
-        rows, retokenized = _train_in_process(
-            context, lab, cfg, tables, k, parent["path"], path, meta, deployment, behaviour_step
-        )
-        extra = {}
+    parent_path = artifacts.local(parent["path"])
+    reference = artifacts.local(deployment["path"]) if est.type == "ref_is" else None
+    with artifacts.writing(path) as folder:
+        if lab.trainer_processes:
+            rows, extra = _train_with_torchrun(
+                context, lab, cfg, store, k, parent_path, folder, meta, behaviour_step
+            )
+            retokenized: dict = {}
+        else:
+            rows, retokenized = _train_in_process(
+                context, lab, cfg, tables, k, parent_path, folder, meta, reference, behaviour_step
+            )
+            extra = {}
     register_checkpoint(
         tables,
         checkpoint_id=ckpt_id,
         round_=k,
         experiment=lab.experiment,
         parent_id=parent["checkpoint_id"],
-        path=str(path),
+        path=path,
         step=rows[-1]["step"],
     )
     tables.overwrite(
@@ -143,7 +148,7 @@ def _checkpoint_round(
         metadata={
             "checkpoint_id": ckpt_id,
             "parent_id": parent["checkpoint_id"],
-            "path": str(path),
+            "path": path,
             "global_step": rows[-1]["step"],
             **extra,
             "estimator": est.type,
@@ -181,8 +186,9 @@ def _checkpoint_round(
     )
 
 
-def _train_in_process(context, lab, cfg, tables, k, parent_path, path, meta, deployment, behaviour_step):  # noqa: ANN001, ANN202, PLR0913
-    """S steps in this process; writes pi_k to `policy_logprobs` and the checkpoint to `path`."""
+def _train_in_process(context, lab, cfg, tables, k, parent_path, path, meta, reference_path, behaviour_step):  # noqa: ANN001, ANN202, PLR0913
+    """S steps in this process; writes pi_k to `policy_logprobs` and the checkpoint to `path`
+    (`reference_path`: the behaviour deployment's folder, for ref_is)."""
     model, optimizer_state, parent_meta = load_checkpoint(parent_path)
     optimizer = make_optimizer(model, cfg, optimizer_state)
     pad = lab.tokenizer().pad_token_id
@@ -195,8 +201,8 @@ def _train_in_process(context, lab, cfg, tables, k, parent_path, path, meta, dep
         context.log.info(f"round {k}: trains on retokenized calls: {retokenized}")
     round_start = policy_logprobs(model, calls, cfg, pad, fake_quant=cfg.qat)
     reference = (
-        policy_logprobs(load_deployment(deployment["path"]), calls, cfg, pad, fake_quant=False)
-        if cfg.estimator.type == "ref_is"
+        policy_logprobs(load_deployment(reference_path), calls, cfg, pad, fake_quant=False)
+        if reference_path is not None
         else None
     )
     tables.overwrite(
@@ -242,6 +248,8 @@ def _train_with_torchrun(context, lab, cfg, store, k, parent_path, path, meta, b
             "but ref_is"
         )
     path = Path(path).resolve()
+    tables_uri = store.tables().root
+    tables_uri = tables_uri if is_remote(tables_uri) else str(Path(tables_uri).resolve())
     rows_file = path.parent / f".rows-{path.name}.json"
     command = [
         sys.executable,
@@ -253,7 +261,7 @@ def _train_with_torchrun(context, lab, cfg, store, k, parent_path, path, meta, b
         "-m",
         "resources.pipes_train",
         "--tables",
-        str(Path(store.tables().root).resolve()),
+        tables_uri,
         "--round",
         str(k),
         "--parent",
@@ -272,7 +280,10 @@ def _train_with_torchrun(context, lab, cfg, store, k, parent_path, path, meta, b
         json.dumps(meta, default=str),
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        STORAGE_OPTIONS_ENV: json.dumps(store.storage_options),
+    }
     try:
         results = (
             PipesSubprocessClient(cwd=str(REPO), env=env).run(command=command, context=context).get_results()

@@ -55,9 +55,10 @@ def _deployment_round(
     k = round_number(key)
     tables = store.tables(context.run.run_id, key)
     ckpt = lookup(tables, "checkpoints", "checkpoint_id", round_id(lab.experiment, k))
-    model, _, _ = load_checkpoint(ckpt["path"])
+    artifacts = store.artifacts()
+    model, _, _ = load_checkpoint(artifacts.local(ckpt["path"]))
     dep_id = round_id(lab.experiment, k)
-    path = store.path("deployments", lab.experiment, key)
+    path = artifacts.uri("deployments", lab.experiment, key)
     calls = tables.read("calls", k).slice(0, CALIBRATION_CALLS)  # activation scales from real traffic
     calibration = [
         p + c
@@ -65,20 +66,25 @@ def _deployment_round(
             calls["prompt_token_ids"].to_pylist(), calls["completion_token_ids"].to_pylist(), strict=True
         )
     ]
-    export_deployment(model, path, lab.quant_format, calibration)
+    with artifacts.writing(path) as folder:
+        export_deployment(model, folder, lab.quant_format, calibration)
+        export_bytes = sum(f.stat().st_size for f in folder.iterdir())
+        rel_error = weight_error(model, folder)
     register_deployment(
         tables,
         deployment_id=dep_id,
         round_=k,
         checkpoint_id=ckpt["checkpoint_id"],
-        path=str(path),
+        path=path,
         quant_format=lab.quant_format,
         sampling_json=json.dumps(asdict(lab.sampling())),
     )
-    candidate = evaluate_deployment(tables, lab, lookup(tables, "deployments", "deployment_id", dep_id), k)
+    candidate = evaluate_deployment(
+        tables, lab, artifacts, lookup(tables, "deployments", "deployment_id", dep_id), k
+    )
     live = tables.live_deployment()
     live_rows = stored_results(tables, live["deployment_id"]) or evaluate_deployment(
-        tables, lab, live, live["round"]
+        tables, lab, artifacts, live, live["round"]
     )
     gate = deploy_gate(
         {r["puzzle_id"]: r["solved"] for r in candidate},
@@ -102,14 +108,14 @@ def _deployment_round(
         metadata={
             "deployment_id": dep_id,
             "checkpoint_id": ckpt["checkpoint_id"],
-            "path": str(path),
+            "path": path,
             "quant_format": lab.quant_format,
             "previous_live": live["deployment_id"],
             "moved_live": moved,
             "live_now": tables.live_deployment()["deployment_id"],
             "heldout_solve_rate": solve_rate(candidate),
-            "export_bytes": sum(f.stat().st_size for f in path.iterdir()),
-            "weight_rel_error": weight_error(model, path),
+            "export_bytes": export_bytes,
+            "weight_rel_error": rel_error,
         },
         check_results=[
             AssetCheckResult(

@@ -43,7 +43,9 @@ def _eval_report_round(
     k = round_number(key)
     tables = store.tables(context.run.run_id, key)
     dep = lookup(tables, "deployments", "deployment_id", round_id(lab.experiment, k))
-    results = stored_results(tables, dep["deployment_id"]) or evaluate_deployment(tables, lab, dep, k)
+    results = stored_results(tables, dep["deployment_id"]) or evaluate_deployment(
+        tables, lab, store.artifacts(), dep, k
+    )
     summary = round_summary(tables, lab.experiment)
     comparison = {}
     if lab.counterfactual:  # side by side with the original run on the same recorded traffic

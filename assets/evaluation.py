@@ -1,15 +1,18 @@
 """Held-out evaluation of a registered deployment, stored in `eval_results` (shared by assets)."""
 
+from prodrl_pipeline.artifacts import Artifacts
 from prodrl_pipeline.evals.heldout import evaluate
 from prodrl_pipeline.records.store import DeltaStore
 from resources.lab import LabResource
 
 
-def evaluate_deployment(tables: DeltaStore, lab: LabResource, deployment: dict, round_: int) -> list[dict]:
+def evaluate_deployment(
+    tables: DeltaStore, lab: LabResource, artifacts: Artifacts, deployment: dict, round_: int
+) -> list[dict]:
     """Greedy solve of the held-out puzzles by `deployment`; replaces its rows for `round_`."""
     heldout = list(lab.puzzles("heldout"))[: lab.eval_puzzles or None]
     rows = evaluate(
-        lab.engine(deployment["path"]),
+        lab.engine(artifacts.local(deployment["path"])),
         lab.tokenizer(),
         heldout,
         deployment_id=deployment["deployment_id"],

@@ -26,7 +26,7 @@ def evaluate_live(context: OpExecutionContext, store: StoreResource, lab: LabRes
     if live is None:
         context.log.warning("no live deployment to evaluate")
         return
-    rows = evaluate_deployment(tables, lab, live, live["round"])
+    rows = evaluate_deployment(tables, lab, store.artifacts(), live, live["round"])
     context.log.info(f"live deployment {live['deployment_id']}: held-out solve rate {solve_rate(rows):.3f}")
 
 

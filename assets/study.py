@@ -94,7 +94,8 @@ def study_base(instance: DagsterInstance, root: Path, defaults: Mapping[str, obj
     ).success
     tmp = root / "base_model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(store.path("checkpoints", BASE), tmp)
+    artifacts = store.artifacts()
+    shutil.copytree(artifacts.local(artifacts.uri("checkpoints", BASE)), tmp)
     lab.tokenizer().save_pretrained(tmp)
     (tmp / "study_defaults.json").write_text(settings)
     tmp.rename(out)

@@ -21,6 +21,7 @@ from dagster import (
 
 from assets.base_model import base_model
 from assets.partitions import merged, ordered_keys, round_number, rounds
+from prodrl_pipeline.artifacts import Artifacts
 from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.records.snapshot import snapshot_production
 from prodrl_pipeline.records.store import DeltaStore
@@ -98,7 +99,7 @@ def _trajectories_round(
             "snapshot_deployment": deployment_id,
         }
     else:
-        calls, trajs = _collect_lab(context, lab, source, k, n)
+        calls, trajs = _collect_lab(context, lab, store.artifacts(), source, k, n)
     calls, trajs, rejects = split_valid(calls, trajs)
     extending, later = prefix_continuity(calls)
     tables.overwrite_round("calls", calls, k)
@@ -116,13 +117,15 @@ def _trajectories_round(
     )
 
 
-def _collect_lab(context: AssetExecutionContext, lab: LabResource, live: dict, k: int, n: int):
+def _collect_lab(  # noqa: PLR0913
+    context: AssetExecutionContext, lab: LabResource, artifacts: Artifacts, live: dict, k: int, n: int
+):
     pool = lab.puzzles("train")
     rng = random.Random(lab.seed * 1_000_003 + k)
     puzzles = rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
     context.log.info(f"round {k}: collecting {n} trajectories from deployment {live['deployment_id']}")
     rollouts = play(
-        lab.engine(live["path"]),
+        lab.engine(artifacts.local(live["path"])),
         lab.tokenizer(),
         puzzles,
         lab.sampling(),

@@ -6,25 +6,29 @@ from pathlib import Path
 
 from dagster import ConfigurableResource
 
+from prodrl_pipeline.artifacts import Artifacts
 from prodrl_pipeline.records.store import DeltaStore
 
 
 class StoreResource(ConfigurableResource):
-    """Local folder by default; tables could live on object storage with the same code."""
+    """A local folder by default; tables, checkpoints and exports can each live on object storage."""
 
     root: str = ".prodrl"
-    """Root folder: tables/, checkpoints/, deployments/, reports/ below it."""
+    """Root folder: tables/, checkpoints/, deployments/, cache/ below it unless moved."""
     tables_uri: str = ""
     """Where the Delta tables live instead of `<root>/tables`: another folder or an object-store
-    URI (s3://bucket/prefix). Checkpoints and deployment exports stay under `root` (local)."""
+    URI (s3://bucket/prefix)."""
+    artifacts_uri: str = ""
+    """Where checkpoints/ and deployments/ live instead of `root`: another folder or s3://bucket/prefix
+    (downloaded copies are cached under `<root>/cache`)."""
     storage_options: dict[str, str] = {}
-    """deltalake storage options for `tables_uri` (e.g. AWS_ENDPOINT_URL, AWS_REGION,
-    AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY; AWS_ALLOW_HTTP for a local server)."""
+    """Object-store options for both URIs (e.g. AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID,
+    AWS_SECRET_ACCESS_KEY; AWS_ALLOW_HTTP for a local server)."""
 
     def tables(self, run_id: str | None = None, partition: str | None = None) -> DeltaStore:
         meta = {k: v for k, v in (("dagster_run_id", run_id), ("partition", partition)) if v}
         root = self.tables_uri or f"{self.root}/tables"
         return DeltaStore(root, commit_metadata=meta, storage_options=self.storage_options)
 
-    def path(self, *parts: str) -> Path:
-        return Path(self.root, *parts)
+    def artifacts(self) -> Artifacts:
+        return Artifacts(self.artifacts_uri or self.root, self.storage_options, Path(self.root, "cache"))

@@ -1,7 +1,8 @@
-"""Delta tables on S3: a round runs with every table on a local S3-compatible server (moto,
-started by the test on loopback), and the live pointer's compare-and-set holds there (deltalake
-commits with conditional writes: no lock service)."""
+"""Object storage: a round runs with every table, checkpoint and export on a local S3-compatible
+server (moto, started by the test on loopback), and the live pointer's compare-and-set holds there
+(deltalake commits with conditional writes: no lock service)."""
 
+import json
 import subprocess
 import sys
 import time
@@ -9,15 +10,29 @@ import time
 import boto3
 import pytest
 from botocore.exceptions import EndpointConnectionError
-from dagster import instance_for_test
+from dagster import AssetKey, instance_for_test
 
+from prodrl_pipeline.artifacts import Artifacts
 from prodrl_pipeline.gateway.process import free_port
+from prodrl_pipeline.records.registry import BASE, lookup
 from prodrl_pipeline.records.store import DeltaStore
+from prodrl_pipeline.rl.checkpoint import META_FILE
 from resources.lab import LabResource
 from resources.store import StoreResource
+from tests.postgres import postgres_server
 from tests.test_pipeline import TINY, run_rounds
 
 BUCKET = "prodrl-test"
+
+
+def _client(options: dict):
+    return boto3.client(
+        "s3",
+        endpoint_url=options["AWS_ENDPOINT_URL"],
+        aws_access_key_id=options["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=options["AWS_SECRET_ACCESS_KEY"],
+        region_name=options["AWS_REGION"],
+    )
 
 
 @pytest.fixture
@@ -36,13 +51,7 @@ def s3(tmp_path):
         "AWS_REGION": "us-east-1",
         "AWS_ALLOW_HTTP": "true",
     }
-    client = boto3.client(
-        "s3",
-        endpoint_url=options["AWS_ENDPOINT_URL"],
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-        region_name="us-east-1",
-    )
+    client = _client(options)
     deadline = time.monotonic() + 30
     while True:  # readiness probe
         try:
@@ -56,16 +65,43 @@ def s3(tmp_path):
     server.wait(timeout=30)
 
 
-def test_a_round_runs_with_its_tables_on_s3(tmp_path, s3):
-    store = StoreResource(root=str(tmp_path), tables_uri=f"s3://{BUCKET}/tables", storage_options=s3)
-    resources = {"store": store, "lab": LabResource(**TINY)}
-    with instance_for_test() as instance:
+def test_a_round_runs_on_s3_and_postgres_with_torchrun_training(tmp_path, s3):
+    """Everything a scaled-out deployment keeps elsewhere: Dagster on PostgreSQL, the tables and
+    the checkpoints and exports on S3, training in two torchrun processes launched through Pipes."""
+    store = StoreResource(
+        root=str(tmp_path),
+        tables_uri=f"s3://{BUCKET}/tables",
+        artifacts_uri=f"s3://{BUCKET}/artifacts",
+        storage_options=s3,
+    )
+    resources = {"store": store, "lab": LabResource(**TINY, trainer_processes=2)}
+    with (
+        postgres_server() as db,
+        instance_for_test(overrides={"storage": {"postgres": {"postgres_db": db}}}) as instance,
+    ):
+        assert type(instance.run_storage).__name__ == "PostgresRunStorage"
         run_rounds(instance, resources, (1,))
+        meta = instance.get_latest_materialization_event(
+            AssetKey("checkpoint")
+        ).asset_materialization.metadata
+    assert meta["trainer_processes"].value == 2 and meta["path"].value.startswith(f"s3://{BUCKET}/artifacts/")
     tables = DeltaStore(f"s3://{BUCKET}/tables", storage_options=s3)
     assert tables.read("trajectories", 1).num_rows == TINY["steps"] * TINY["batch_size"]
     assert tables.read("train_steps", 1).num_rows == TINY["steps"]
     assert tables.live_deployment()["deployment_id"] == "main-r000001"
-    assert not (tmp_path / "tables").exists()  # nothing fell back to the local folder
+    ckpt = lookup(tables, "checkpoints", "checkpoint_id", "main-r000001")
+    dep = lookup(tables, "deployments", "deployment_id", "main-r000001")
+    assert ckpt["path"] == f"s3://{BUCKET}/artifacts/checkpoints/main/r000001"
+    assert dep["path"] == f"s3://{BUCKET}/artifacts/deployments/main/r000001"
+    listed = _client(s3).list_objects_v2(Bucket=BUCKET, Prefix="artifacts/deployments/main/r000001/")
+    assert {o["Key"].rsplit("/", 1)[1] for o in listed["Contents"]} >= {
+        "model.safetensors",
+        "hf_quant_config.json",
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "moto.log"]  # nothing else local
+    fresh = Artifacts(f"s3://{BUCKET}/artifacts", s3, tmp_path / "other-cache")  # another machine's view
+    saved = json.loads((fresh.local(ckpt["path"]) / META_FILE).read_text())
+    assert saved["data_parallel"] == 2 and saved["parent_id"] == BASE
 
     moved_by_other = []
 
@@ -76,3 +112,30 @@ def test_a_round_runs_with_its_tables_on_s3(tmp_path, s3):
 
     assert not tables.move_live("main-r000001", decide)  # the stale decision's commit was refused
     assert tables.live_deployment()["deployment_id"] == "base"
+
+
+def test_artifacts_upload_whole_folders_and_readers_see_each_version(tmp_path, s3):
+    artifacts = Artifacts(f"s3://{BUCKET}/a", s3, tmp_path / "cache")
+    uri = artifacts.uri("checkpoints", "r1")
+    assert uri == f"s3://{BUCKET}/a/checkpoints/r1"
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        artifacts.local(uri)
+    with pytest.raises(RuntimeError, match="interrupted"), artifacts.writing(uri) as folder:
+        (folder / "weights").write_text("partial")
+        raise RuntimeError("interrupted")
+    with pytest.raises(FileNotFoundError):  # a failed write uploads nothing
+        artifacts.local(uri)
+    with artifacts.writing(uri) as folder:
+        (folder / "weights").write_text("v1")
+        (folder / "old").write_text("only in v1")
+    first = artifacts.local(uri)
+    assert (first / "weights").read_text() == "v1" and artifacts.local(uri) == first
+    with artifacts.writing(uri) as folder:  # a re-run rewrites the folder whole, at once
+        (folder / "weights").write_text("v2")
+    second = artifacts.local(uri)
+    assert second != first and (second / "weights").read_text() == "v2" and not (second / "old").exists()
+    with artifacts.writing(uri) as folder:  # same files, same sizes, within a second: the upload id tells
+        (folder / "weights").write_text("v3")
+    assert (artifacts.local(uri) / "weights").read_text() == "v3"
+    with pytest.raises(ValueError, match="only local folders and s3://"):
+        Artifacts("gs://bucket/prefix")

@@ -1,12 +1,13 @@
 """Production mode is a setting: one settings file, named by PRODRL_SETTINGS, read by the code location."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from resources.serve import gateway_args
+from resources.serve import gateway_env
 from resources.settings import resources_from_environment, settings_from_environment
 
 PRODUCTION = """
@@ -82,7 +83,8 @@ def test_the_gateway_serves_the_settings_store_tokenizer_and_recorded_head(tmp_p
         f"lab:\n  source: production\n  top_logprobs: 8\nstore:\n  root: {tmp_path / 'store'}\n"
         "sensor:\n  minimum_interval_seconds: 5\n"
     )
-    args = gateway_args({"PRODRL_SETTINGS": str(path)})
+    args, env = gateway_env({"PRODRL_SETTINGS": str(path)})
+    assert env == {}
     assert args == [
         "--root",
         str(tmp_path / "store"),
@@ -94,6 +96,11 @@ def test_the_gateway_serves_the_settings_store_tokenizer_and_recorded_head(tmp_p
         "0",
     ]
     assert settings_from_environment({"PRODRL_SETTINGS": str(path)})["sensor"].minimum_interval_seconds == 5
+    path.write_text("store:\n  tables_uri: s3://b/t\n  storage_options: {AWS_REGION: eu-west-1}\n")
+    args, env = gateway_env({"PRODRL_SETTINGS": str(path)})
+    assert args[2:4] == ["--tables-uri", "s3://b/t"]
+    assert json.loads(env["PRODRL_STORAGE_OPTIONS"]) == {"AWS_REGION": "eu-west-1"}
+    assert gateway_env({"PRODRL_SETTINGS": str(path), "PRODRL_STORAGE_OPTIONS": "{}"})[1] == {}
     path.write_text("sensor:\n  minimum_interval_seconds: 0\n")
     with pytest.raises(ValueError, match="minimum_interval_seconds"):
-        gateway_args({"PRODRL_SETTINGS": str(path)})
+        gateway_env({"PRODRL_SETTINGS": str(path)})

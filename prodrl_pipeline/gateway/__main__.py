@@ -3,7 +3,8 @@ moves) or a named one, and record every call.
 
     python -m prodrl_pipeline.gateway --root .prodrl --port 8000
 API keys come from the environment: PRODRL_API_KEYS and PRODRL_FEEDBACK_KEYS (comma-separated;
-unset means no key is needed).
+unset means no key is needed); object-store options for s3:// tables and exports from
+PRODRL_STORAGE_OPTIONS (a JSON object) or the usual AWS_* variables.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
+from prodrl_pipeline.artifacts import Artifacts, storage_options_from_environment
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.engine.vllm import VLLMEngine
 from prodrl_pipeline.envs.chat import load_tokenizer
@@ -32,13 +34,16 @@ from prodrl_pipeline.records.registry import lookup
 from prodrl_pipeline.records.store import DeltaStore
 
 
-def embedded_loader(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> Callable[[dict], Loaded]:
-    """Loads a registry row's export into the embedded engine: a local export folder whose
-    vocabulary is the first loaded deployment's (the gateway's tokenizer is fixed), smoke-checked."""
+def embedded_loader(
+    args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, artifacts: Artifacts
+) -> Callable[[dict], Loaded]:
+    """Loads a registry row's export (a folder, or an s3:// one copied locally) into the embedded
+    engine; its vocabulary must be the first loaded deployment's (the gateway's tokenizer is
+    fixed), and it must pass the smoke check."""
     first_vocab: list[int] = []
 
     def load(row: dict) -> Loaded:
-        path = Path(row["path"])
+        path = artifacts.local(row["path"])
         if not path.is_dir():
             raise ValueError(f"{row['deployment_id']}: its export {path} is not a local folder")
         engine = TorchEngine(
@@ -68,7 +73,9 @@ def embedded_loader(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:
-    store = DeltaStore(Path(args.root) / "tables")
+    options = storage_options_from_environment(os.environ)
+    store = DeltaStore(args.tables_uri or str(Path(args.root) / "tables"), storage_options=options)
+    artifacts = Artifacts(args.root, options, Path(args.root) / "cache")
     if args.deployment:
         deployment = lookup(store, "deployments", "deployment_id", args.deployment)
     elif (deployment := store.live_deployment()) is None:
@@ -77,7 +84,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         )
     tokenizer = load_tokenizer(args.tokenizer)
     if args.engine == "vllm":
-        config = AutoConfig.from_pretrained(deployment["path"])
+        config = AutoConfig.from_pretrained(artifacts.local(deployment["path"]))
         engine = VLLMEngine(
             args.vllm_url, args.vllm_model or deployment["path"], config.vocab_size, args.top_logprobs
         )
@@ -85,7 +92,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         first = Loaded(deployment["deployment_id"], batcher, config.max_position_embeddings)
         load = None  # a vLLM deployment moves blue/green: a second server (docs/gateway.md)
     else:
-        load = embedded_loader(args, tokenizer)
+        load = embedded_loader(args, tokenizer, artifacts)
         first = load(deployment)
     keys = lambda name: tuple(k for k in os.environ.get(name, "").split(",") if k)  # noqa: E731
     cfg = GatewayConfig(
@@ -114,7 +121,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", default=".prodrl", help="store root: tables/ (registry, landing) and spool/")
+    p.add_argument(
+        "--root", default=".prodrl", help="store root: tables/ (registry, landing), spool/ and cache/"
+    )
+    p.add_argument("--tables-uri", default="", help="the tables' folder or s3:// URI, if not <root>/tables")
     p.add_argument(
         "--deployment", help="deployment id to serve, and keep serving (default: follow the live one)"
     )

@@ -132,7 +132,7 @@ def export_deployment(
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # ModelOpt prints
         warnings.simplefilter("ignore")  # per module and warns on torch_dtype
         mtq.quantize(quantized, mtq.NVFP4_DEFAULT_CFG, forward_loop)
-        export_hf_checkpoint(quantized, export_dir=path)
+        export_hf_checkpoint(quantized, dtype=torch.float32, export_dir=path)
 
 
 def load_deployment(path: str | Path) -> PreTrainedModel:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch.distributed as dist
 
+from prodrl_pipeline.artifacts import STORAGE_OPTIONS_ENV, storage_options_from_environment
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import LINEAGE_KEYS
 from prodrl_pipeline.rl.distributed import DataParallel, load_sharded, save_consolidated
@@ -32,7 +34,11 @@ def trainer_config(settings: dict) -> TrainerConfig:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tables", required=True, help="the store's tables folder")
+    p.add_argument(
+        "--tables",
+        required=True,
+        help=f"the store's tables: a folder or s3:// URI (credentials: ${STORAGE_OPTIONS_ENV} or AWS_*)",
+    )
     p.add_argument("--round", type=int, required=True)
     p.add_argument("--parent", required=True, help="the checkpoint to train from")
     p.add_argument("--out", required=True, help="where rank 0 writes the new checkpoint")
@@ -50,7 +56,7 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], int]:
     dp = DataParallel.from_environment()
     try:
         cfg = trainer_config(json.loads(args.trainer))
-        store = DeltaStore(args.tables)
+        store = DeltaStore(args.tables, storage_options=storage_options_from_environment(os.environ))
         advantages = store.read("advantages", args.round).to_pylist()
         trained = {a["trajectory_id"] for a in advantages}
         calls = [c for c in store.read("calls", args.round).to_pylist() if c["trajectory_id"] in trained]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 
+from prodrl_pipeline.artifacts import Artifacts
 from prodrl_pipeline.gateway.__main__ import embedded_loader, parser
 from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower
 from prodrl_pipeline.model import build_model
@@ -46,7 +47,7 @@ def _register(root: Path, tokenizer, name: str, seed: int, broken: bool = False)
 def test_the_follower_loads_beside_switches_drains_and_survives_a_failed_load(tmp_path, tokenizer):
     root = make_root(tmp_path, tokenizer)
     store = DeltaStore(root / "tables")
-    load = embedded_loader(parser().parse_args([]), tokenizer)
+    load = embedded_loader(parser().parse_args([]), tokenizer, Artifacts(str(root)))
     deployments = Deployments(load(store.live_deployment()), drain_seconds=10)
     follower = LiveFollower(store, deployments, load, retry_seconds=30)
     try:
