@@ -190,6 +190,7 @@ def _train_in_process(context, lab, cfg, tables, k, parent_path, path, meta, ref
     """S steps in this process; writes pi_k to `policy_logprobs` and the checkpoint to `path`
     (`reference_path`: the behaviour deployment's folder, for ref_is)."""
     model, optimizer_state, parent_meta = load_checkpoint(parent_path)
+    model.to(cfg.device)
     optimizer = make_optimizer(model, cfg, optimizer_state)
     pad = lab.tokenizer().pad_token_id
     adv = tables.read("advantages", k).to_pylist()
@@ -233,6 +234,7 @@ def _train_in_process(context, lab, cfg, tables, k, parent_path, path, meta, ref
         progress=lambda row: _progress(context, k, row),
     )
     lineage = {key: parent_meta.get(key) for key in LINEAGE_KEYS}
+    model.to("cpu")
     save_checkpoint(path, model, optimizer.state_dict(), {**meta, **lineage, "step": rows[-1]["step"]})
     return rows, retokenized
 

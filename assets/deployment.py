@@ -8,6 +8,7 @@ from dagster import (
     AssetCheckSpec,
     AssetExecutionContext,
     BackfillPolicy,
+    Failure,
     MaterializeResult,
     asset,
 )
@@ -15,6 +16,10 @@ from dagster import (
 from assets.checkpoint import checkpoint
 from assets.evaluation import evaluate_deployment
 from assets.partitions import merged, ordered_keys, round_number, rounds
+from prodrl_pipeline.artifacts import Artifacts
+from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.engine.sampler import Request, TorchEngine
+from prodrl_pipeline.engine.vllm_server import golden_check, greedy_tokens, reload
 from prodrl_pipeline.evals.gate import deploy_gate
 from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.quant.nvfp4 import export_deployment, weight_error
@@ -26,6 +31,7 @@ from resources.lab import LabResource
 from resources.store import StoreResource
 
 CALIBRATION_CALLS = 16
+GOLDEN_PROMPTS, GOLDEN_TOKENS = 8, 8
 
 
 @asset(
@@ -47,6 +53,38 @@ def deployment(context: AssetExecutionContext, store: StoreResource, lab: LabRes
     """Quantize and register the round's checkpoint, evaluate it on the held-out puzzles, and make
     it live only if the deploy gate passes; otherwise live stays and downstream assets are skipped."""
     return merged([_deployment_round(context, key, store, lab) for key in ordered_keys(context)])
+
+
+def _reload_vllm(  # noqa: PLR0913
+    context: AssetExecutionContext,
+    lab: LabResource,
+    artifacts: Artifacts,
+    dep_id: str,
+    path: str,
+    live: dict,
+    prompts: list[list[int]],
+) -> None:
+    """Reload the vLLM server with the new export, tagged `dep_id`, and check golden prompts
+    against the embedded engine on the same export; on failure the live export goes back."""
+    golden = prompts[:GOLDEN_PROMPTS]
+    new_path, old_path = artifacts.local(path), artifacts.local(live["path"])
+    new, old = (_greedy(lab.engine(p), golden) for p in (new_path, old_path))
+    reload(lab.vllm_url, new_path, dep_id)
+    passed, reason = golden_check(
+        greedy_tokens(lab.vllm_url, lab.vllm_model, golden, GOLDEN_TOKENS), new, old
+    )
+    context.log.info(f"vLLM at {lab.vllm_url} reloaded with {dep_id}: {reason}")
+    if not passed:
+        reload(lab.vllm_url, old_path, live["deployment_id"])
+        raise Failure(
+            f"vLLM does not serve {dep_id}'s weights after the reload ({reason}); "
+            f"it serves {live['deployment_id']} again"
+        )
+
+
+def _greedy(engine: TorchEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=GOLDEN_TOKENS)
+    return [c.token_ids for c in engine.generate([Request(p, params) for p in prompts])]
 
 
 def _deployment_round(
@@ -92,17 +130,29 @@ def _deployment_round(
         lab.gate_margin,
         lab.gate_confidence,
     )
-    moved = tables.move_live(  # decided on the live row read in the same commit: never backwards
-        dep_id,
-        lambda now: goes_live(
-            gate_passed=gate.passed,
-            counterfactual=lab.counterfactual,
-            round_=k,
-            candidate=dep_id,
-            gated_against=live["deployment_id"],
-            live=now,
-        ),
+    decide = lambda now: goes_live(  # noqa: E731
+        gate_passed=gate.passed,
+        counterfactual=lab.counterfactual,
+        round_=k,
+        candidate=dep_id,
+        gated_against=live["deployment_id"],
+        live=now,
     )
+    serving = lab.vllm_url and decide(live)
+    if serving:  # the engine serves the new weights before the pointer names them
+        _reload_vllm(
+            context,
+            lab,
+            artifacts,
+            dep_id,
+            path,
+            live,
+            [list(p) for p in calls["prompt_token_ids"].to_pylist()],
+        )
+    moved = tables.move_live(dep_id, decide)  # decided on the live row read in the same commit
+    if serving and not moved:  # live moved under this run: the engine serves what is live now
+        now = tables.live_deployment()
+        reload(lab.vllm_url, artifacts.local(now["path"]), now["deployment_id"])
     context.log.info(f"round {k}: {gate.reason()}; live is {tables.live_deployment()['deployment_id']}")
     return MaterializeResult(
         metadata={

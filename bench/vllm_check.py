@@ -4,23 +4,24 @@ Builds the lab model, saves it as an HF checkpoint with the tokenizer, starts `v
 with the recording flags, puts the capture gateway (`--engine vllm`) in front, sends chat traffic
 (plain and top-k 20) with the openai client, then compares every recorded log-prob with the
 trainer's fp32 log-prob of the same token on the same weights. Prints mean/max |dlogp| (the
-engine mismatch of a BF16 vLLM deployment) and checks the recorded heads and supports.
+engine mismatch of a BF16 vLLM deployment), checks the recorded heads and supports, and times
+the same requests with and without the recording fields (the recording overhead).
 
     .venv/bin/pip install -e '.[serve]' && .venv/bin/python -m bench.vllm_check
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import torch
 
+from prodrl_pipeline.engine.vllm_server import VLLMServer, serve_command
 from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
@@ -40,62 +41,31 @@ def main() -> None:
         tok.save_pretrained(export)  # vLLM reads the tokenizer from the model folder
         store = DeltaStore(root / "tables")
         port = free_port()
-        vllm = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(export),
-                "--port",
-                str(port),
-                "--logprobs-mode",
-                "processed_logprobs",
-                "--max-logprobs",
-                "21",
-                "--generation-config",
-                "vllm",
-                "--dtype",
-                "bfloat16",
-                "--gpu-memory-utilization",
-                "0.3",
-                "--max-model-len",
-                "1024",
-            ]
-        )
+        extra = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--max-model-len", "1024"]
+        server = VLLMServer(serve_command(export, port, extra=extra), root / "vllm.log").start(timeout=420)
         try:
-            deadline = time.monotonic() + 420
-            while True:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if vllm.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("vllm server did not start")
-                time.sleep(1)
             gw = GatewayProcess(
                 root,
                 "--engine",
                 "vllm",
                 "--vllm-url",
-                f"http://127.0.0.1:{port}",
+                server.url,
                 "--vllm-model",
-                str(export),
+                "prodrl",
                 "--max-tokens",
                 "24",
             ).start(timeout=120)
             client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="none", max_retries=0)
             for i, p in enumerate(list(iter_lab_puzzles("data", "heldout"))[:64]):
-                extra = {"top_k": 20} if i % 2 else {}
+                extra_body = {"top_k": 20} if i % 2 else {}
                 client.chat.completions.create(
-                    model="base", messages=ChessEpisode(p).messages, max_tokens=24, extra_body=extra
+                    model="base", messages=ChessEpisode(p).messages, max_tokens=24, extra_body=extra_body
                 )
             gw.stop()
+            calls = store.read("landing_calls").to_pylist()
+            overhead = _recording_overhead(server.url, [c["prompt_token_ids"] for c in calls[:32]])
         finally:
-            vllm.terminate()
-            vllm.wait(timeout=60)
-        calls = store.read("landing_calls").to_pylist()
+            server.stop()
         seqs = build_sequences(calls, tok.pad_token_id)
         with torch.no_grad():
             trainer = token_logprobs(model.float(), seqs).logprobs
@@ -104,8 +74,35 @@ def main() -> None:
         ok = all(s <= 20 for c in topk for s in c["support_size"])
         print(
             f"{len(calls)} calls recorded through vLLM; trainer (fp32) vs vLLM (bf16) |dlogp| on sampled "
-            f"tokens: mean {gap.mean():.4f} max {gap.max():.4f}; top-k supports within the head: {ok}"
+            f"tokens: mean {gap.mean():.4f} max {gap.max():.4f}; top-k supports within the head: {ok}; "
+            f"recording overhead (time with the K + 1 log-probs and ids / without): {overhead:.3f}"
         )
+
+
+def _recording_overhead(url: str, prompts: list[list[int]], pairs: int = 5) -> float:
+    """Median over alternating pairs of the time of the same batch of requests with the recording
+    fields ÷ without them (64 tokens each, fixed seed)."""
+    http = httpx.Client(timeout=300)
+
+    def batch(record: bool) -> float:
+        body = {"model": "prodrl", "max_tokens": 64, "temperature": 1.0, "seed": 0, "ignore_eos": True}
+        if record:
+            body |= {"logprobs": 21, "return_token_ids": True, "return_tokens_as_token_ids": True}
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            t0 = time.perf_counter()
+            list(
+                pool.map(
+                    lambda p: http.post(
+                        f"{url}/v1/completions", json={**body, "prompt": p}
+                    ).raise_for_status(),
+                    prompts,
+                )
+            )
+            return time.perf_counter() - t0
+
+    batch(True)  # warm-up
+    ratios = sorted(batch(True) / batch(False) for _ in range(pairs))
+    return ratios[pairs // 2]
 
 
 if __name__ == "__main__":

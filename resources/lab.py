@@ -117,7 +117,17 @@ class LabResource(ConfigurableResource):
     trainer_processes: int = 0
     """0: train in the `checkpoint` step's own process (the embedded default). N >= 1: launch
     `torchrun --nproc-per-node N` through Dagster Pipes, data-parallel with FSDP2
-    (rl/distributed.py; recorded tokens, no QAT, any estimator but ref_is)."""
+    (rl/distributed.py; recorded tokens, no QAT, any estimator but ref_is). With CUDA each
+    process trains on its own GPU."""
+    trainer_device: str = "cpu"
+    """Where the in-process trainer runs: "cpu" or a torch device such as "cuda"."""
+    vllm_url: str = ""
+    """A vLLM server (engine/vllm_server.py: recording flags, VLLM_SERVER_DEV_MODE=1) that serves
+    the live deployment: before a deployment goes live the `deployment` asset reloads it there in
+    place, tags its output with the deployment id and checks golden prompts; the gateway runs with
+    `--engine vllm --vllm-follow`. The server must read the export's local path. Empty: none."""
+    vllm_model: str = "prodrl"
+    """The model name that server serves (`--served-model-name`)."""
     seed: int = 0
     """Seed of puzzle sampling, engine sampling and minibatch shuffles."""
 
@@ -158,6 +168,7 @@ class LabResource(ConfigurableResource):
             microbatch_calls=self.microbatch_calls,
             seed=self.seed,
             qat=self.qat,
+            device=self.trainer_device,
             tokens=self.tokens,
         )
 

@@ -49,6 +49,7 @@ class ChoiceConstraint:
     def __init__(self, sequences: Sequence[Sequence[int]]):
         if not sequences:
             raise ValueError("a choice constraint needs at least one allowed sequence")
+        self.sequences = tuple(tuple(int(t) for t in seq) for seq in sequences)
         self.root: dict[int, dict] = {}
         for seq in sequences:
             if not seq:

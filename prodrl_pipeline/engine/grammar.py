@@ -37,7 +37,7 @@ class GrammarConstraint:
     """Completions matching an llguidance grammar, then the end-of-turn id."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, grammar: str, eos_id: int):
-        self.eos_id, self.n_vocab = eos_id, len(tokenizer)
+        self.eos_id, self.n_vocab, self.grammar = eos_id, len(tokenizer), grammar
         self.fresh = llguidance.LLMatcher(_ll_tokenizer(tokenizer, eos_id), grammar, log_level=0)
         if self.fresh.is_error():  # compiled once here; each completion starts from a copy
             raise ValueError(f"the grammar cannot be enforced: {_short(self.fresh.get_error())}")

@@ -1,15 +1,31 @@
 """vLLM as the deployment engine (GPU): a client of a vLLM OpenAI server started for recording.
 
-Start the server on the deployment export (docs/engines.md):
+Start the server on the deployment export (`engine/vllm_server.py` builds the command):
 
     vllm serve EXPORT_DIR --logprobs-mode processed_logprobs --max-logprobs 21 --generation-config vllm
 
 Each request goes to /v1/completions with the token-id prompt (exact tokens in), explicit
-sampling parameters, `logprobs: K + 1`, `return_token_ids` and `return_tokens_as_token_ids`.
-vLLM lists the sampled token first, then the top tokens, so the K + 1 entries are deduplicated,
-sorted and cut to K. Filtered tokens come back as -inf (serialized -9999): when the kept support
-fits in the K + 1 entries it is exactly their finite part; a top-p/top-k support larger than that
-cannot be recorded, so such requests are refused (the trainer needs the support).
+sampling parameters, `logprobs: K + 1`, `return_token_ids`, `return_tokens_as_token_ids` and
+`return_weight_versions`. vLLM lists the sampled token first, then the top tokens, so the K + 1
+entries are deduplicated, sorted and cut to K. Filtered tokens come back as -inf (serialized
+-9999). The recorded support is, in this order of preference:
+- the constraint's allowed ids, when a constraint is the only restriction (the client steps its
+  own copy of the constraint through the returned ids, so it knows them exactly);
+- the finite entries, when top-k <= K + 1 guarantees they are all of it;
+- the whole vocabulary, when nothing restricts sampling.
+A top-p support that may be larger than the K + 1 entries cannot be recorded: such requests are
+refused before they are sent. vLLM 0.33 returns the kept support itself (`sampling_mask`) only on
+its token-in/token-out endpoint (/inference/v1/generate), which this client does not use yet.
+
+Structured outputs go to vLLM as `structured_outputs`: a choice constraint as the decoded texts of
+its sequences (`choice`), a grammar as its llguidance grammar (`grammar`; the server needs
+`--structured-outputs-config '{"backend": "guidance"}'`). The returned ids are checked against the
+constraint, and every finite log-prob must be an allowed id: a completion vLLM tokenized or masked
+differently is refused, never recorded.
+
+`weight_version`, when set, is the version the server must report for every generated token
+(`weight_versions` in the response; set with /update_weight_version after a reload): a completion
+served by other weights is refused.
 """
 
 from __future__ import annotations
@@ -17,10 +33,17 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from transformers import PreTrainedTokenizerBase
 
+from prodrl_pipeline.engine.constraints import ChoiceConstraint, Constraint
+from prodrl_pipeline.engine.grammar import GrammarConstraint
 from prodrl_pipeline.engine.sampler import Completion, Request
 
 FILTERED = -9999.0  # vLLM's serialization of -inf
+
+
+class WeightVersionError(ValueError):
+    """The server generated with weights other than the deployment's: the call is not recorded."""
 
 
 def _token_id(token: str) -> int:
@@ -29,12 +52,23 @@ def _token_id(token: str) -> int:
     return int(token.removeprefix("token_id:"))
 
 
-class VLLMEngine:
-    honours = frozenset()
-    """Per-token callbacks (stop strings, token streaming) and tool-call constraints are not wired
-    through vLLM yet: the gateway refuses stop and tool_choice, and streams a finished completion."""
+def structured_outputs(constraint: Constraint, tokenizer: PreTrainedTokenizerBase | None) -> dict:
+    """The `structured_outputs` request field that makes vLLM enforce `constraint`."""
+    if isinstance(constraint, ChoiceConstraint):
+        if tokenizer is None:
+            raise NotImplementedError("a choice constraint through vLLM needs the engine's tokenizer")
+        return {"choice": [tokenizer.decode(s, skip_special_tokens=False) for s in constraint.sequences]}
+    if isinstance(constraint, GrammarConstraint):
+        return {"grammar": constraint.grammar}
+    raise NotImplementedError(f"{type(constraint).__name__} cannot be passed to vLLM")
 
-    def __init__(
+
+class VLLMEngine:
+    honours = frozenset({"tool_choice", "response_format"})
+    """Per-token callbacks (stop strings, token streaming) and logit_bias are not wired through
+    vLLM yet: the gateway refuses stop and logit_bias, and streams a finished completion."""
+
+    def __init__(  # noqa: PLR0913
         self,
         base_url: str,
         model: str,
@@ -43,6 +77,8 @@ class VLLMEngine:
         api_key: str | None = None,
         timeout: float = 300.0,
         max_workers: int = 64,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        weight_version: str | None = None,
     ):
         self.url, self.model, self.vocab_size, self.top_logprobs = (
             base_url.rstrip("/"),
@@ -50,6 +86,7 @@ class VLLMEngine:
             vocab_size,
             top_logprobs,
         )
+        self.tokenizer, self.weight_version = tokenizer, weight_version
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(
             timeout=timeout, headers=headers, limits=httpx.Limits(max_connections=max_workers)
@@ -61,18 +98,21 @@ class VLLMEngine:
         return list(self.pool.map(lambda r: self._one(r, seed), requests))
 
     def _one(self, req: Request, seed: int | None) -> Completion:
-        if req.constraint is not None or req.on_token is not None or req.params.logit_bias:
-            raise NotImplementedError(
-                "constraints, per-token callbacks and logit_bias through vLLM are not wired yet"
-            )
+        r = self.client.post(f"{self.url}/v1/completions", json=self.request_body(req, seed))
+        r.raise_for_status()
+        return self.completion(req, r.json()["choices"][0])
+
+    def request_body(self, req: Request, seed: int | None) -> dict:
+        """The /v1/completions body for `req` (ValueError if its support could not be recorded)."""
+        if req.on_token is not None or req.params.logit_bias:
+            raise NotImplementedError("per-token callbacks and logit_bias through vLLM are not wired yet")
         p, k = req.params, self.top_logprobs
-        greedy = p.temperature == 0
-        restricted = greedy or p.top_p < 1 or 0 < p.top_k < self.vocab_size
-        if restricted and not greedy and not 0 < p.top_k <= k + 1:
+        if p.temperature > 0 and p.top_p < 1 and not 0 < p.top_k <= k + 1:
             raise ValueError(
-                f"with vLLM, top_p < 1 or top_k > {k + 1} leaves a support the recorded head cannot "
-                f"cover; set top_k <= {k + 1}"
+                f"with vLLM, top_p < 1 leaves a support the recorded head may not cover; set top_k <= {k + 1}"
             )
+        if p.temperature > 0 and self._topk_restricts(p.top_k) and p.top_k > k + 1:
+            raise ValueError(f"with vLLM, top_k > {k + 1} leaves a support the recorded head cannot cover")
         body = {
             "model": self.model,
             "prompt": req.prompt_ids,
@@ -84,24 +124,55 @@ class VLLMEngine:
             "logprobs": k + 1,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
+            "return_weight_versions": True,
         }
-        r = self.client.post(f"{self.url}/v1/completions", json=body)
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
+        if req.constraint is not None:
+            body["structured_outputs"] = structured_outputs(req.constraint, self.tokenizer)
+        return body
+
+    def _topk_restricts(self, top_k: int) -> bool:
+        return 0 < top_k < self.vocab_size
+
+    def completion(self, req: Request, choice: dict) -> Completion:
+        """The recorded completion from one response choice, checked against the request."""
+        versions = {v["version"] for v in choice.get("weight_versions") or []}
+        if self.weight_version is not None and versions != {self.weight_version}:
+            raise WeightVersionError(
+                f"vLLM generated with weight version(s) {sorted(versions) or 'unreported'}, "
+                f"expected {self.weight_version}: the call is not recorded"
+            )
+        p, k = req.params, self.top_logprobs
+        greedy = p.temperature == 0
+        sampling_restricted = p.top_p < 1 or self._topk_restricts(p.top_k)
+        state = req.constraint.start() if req.constraint is not None else None
         out = Completion(finish_reason="stop" if choice.get("finish_reason") == "stop" else "length")
         for t, tok in enumerate(choice["token_ids"]):
             entries = {_token_id(s): lp for s, lp in (choice["logprobs"]["top_logprobs"][t] or {}).items()}
             finite = sorted(((lp, i) for i, lp in entries.items() if lp > FILTERED), reverse=True)
+            allowed = None
+            if state is not None:
+                if state.finished:
+                    break  # the end-of-turn id vLLM appends after a finished constraint
+                allowed = state.allowed()
+                if not {i for _, i in finite} <= set(allowed):
+                    raise ValueError("vLLM's log-probs put mass outside the constraint: not recorded")
+                state.advance(tok)  # ValueError: vLLM produced ids the constraint does not allow
             if greedy:
-                head, size, logprob = [(0.0, tok)], 1, 0.0
+                head, logprob, support = [(0.0, tok)], 0.0, [tok]
             else:
                 head, logprob = finite[:k], choice["logprobs"]["token_logprobs"][t]
-                size = len(finite) if restricted else self.vocab_size
+                if allowed is not None and not sampling_restricted:
+                    support = allowed  # T > 0 over the allowed ids alone
+                elif sampling_restricted or allowed is not None:
+                    support = [i for _, i in finite]  # top-k <= K + 1: all of it is listed
+                else:
+                    support = None  # the whole vocabulary
+            size = self.vocab_size if support is None else len(support)
             out.token_ids.append(tok)
             out.logprobs.append(logprob)
             out.topk_ids.append([i for _, i in head])
             out.topk_logprobs.append([lp for lp, _ in head])
             out.support_size.append(size)
-            out.support_ids.append([i for _, i in finite] if len(head) < size < self.vocab_size else [])
+            out.support_ids.append(list(support) if support and len(head) < size < self.vocab_size else [])
             out.extra_ids.append([])
         return out

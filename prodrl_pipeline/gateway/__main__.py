@@ -72,6 +72,37 @@ def embedded_loader(
     return load
 
 
+def vllm_loader(
+    args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, artifacts: Artifacts
+) -> Callable[[dict], Loaded]:
+    """A registry row's deployment as served by the vLLM server at --vllm-url. With --vllm-follow
+    that server is reloaded in place for each deployment and tags its output with the deployment
+    id (the `deployment` asset does both): every completion must carry that tag, and the smoke
+    check confirms it before the gateway switches."""
+
+    def load(row: dict) -> Loaded:
+        config = AutoConfig.from_pretrained(artifacts.local(row["path"]))
+        engine = VLLMEngine(
+            args.vllm_url,
+            args.vllm_model or ("prodrl" if args.vllm_follow else row["path"]),
+            config.vocab_size,
+            args.top_logprobs,
+            tokenizer=tokenizer,
+            weight_version=row["deployment_id"] if args.vllm_follow else None,
+        )
+        batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
+        loaded = Loaded(row["deployment_id"], batcher, config.max_position_embeddings)
+        if args.vllm_follow:
+            try:
+                smoke_check(loaded, tokenizer.eos_token_id)
+            except Exception:
+                batcher.close(wait=False)
+                raise
+        return loaded
+
+    return load
+
+
 def build_app(args: argparse.Namespace) -> FastAPI:
     options = storage_options_from_environment(os.environ)
     store = DeltaStore(args.tables_uri or str(Path(args.root) / "tables"), storage_options=options)
@@ -83,17 +114,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             f"no live deployment under {args.root}: run `make demo` (or name one with --deployment)"
         )
     tokenizer = load_tokenizer(args.tokenizer)
-    if args.engine == "vllm":
-        config = AutoConfig.from_pretrained(artifacts.local(deployment["path"]))
-        engine = VLLMEngine(
-            args.vllm_url, args.vllm_model or deployment["path"], config.vocab_size, args.top_logprobs
-        )
-        batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
-        first = Loaded(deployment["deployment_id"], batcher, config.max_position_embeddings)
-        load = None  # a vLLM deployment moves blue/green: a second server (docs/gateway.md)
-    else:
-        load = embedded_loader(args, tokenizer, artifacts)
-        first = load(deployment)
+    load = (vllm_loader if args.engine == "vllm" else embedded_loader)(args, tokenizer, artifacts)
+    first = load(deployment)
     keys = lambda name: tuple(k for k in os.environ.get(name, "").split(",") if k)  # noqa: E731
     cfg = GatewayConfig(
         serve_keys=keys("PRODRL_API_KEYS"),
@@ -114,7 +136,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     )
     landing.tick = lambda: expire_unscored(landing, sessions)
     deployments = Deployments(first, drain_seconds=args.drain_seconds)
-    follows = load is not None and not args.deployment and args.follow_seconds > 0
+    follows = (
+        (args.engine == "embedded" or args.vllm_follow) and not args.deployment and args.follow_seconds > 0
+    )
     follower = LiveFollower(store, deployments, load, args.follow_seconds) if follows else None
     return create_app(Serving(cfg, deployments, tokenizer, landing, sessions, follower))
 
@@ -148,7 +172,16 @@ def parser() -> argparse.ArgumentParser:
         help="embedded torch sampler (CPU default) or a vLLM server started for recording (GPU)",
     )
     p.add_argument("--vllm-url", default="http://127.0.0.1:8001", help="the vLLM server (--engine vllm)")
-    p.add_argument("--vllm-model", help="model name the vLLM server serves (default: the deployment path)")
+    p.add_argument(
+        "--vllm-model",
+        help="model name the vLLM server serves (default: the deployment path; 'prodrl' with --vllm-follow)",
+    )
+    p.add_argument(
+        "--vllm-follow",
+        action="store_true",
+        help="the vLLM server is reloaded in place per deployment (lab.vllm_url): follow the live "
+        "pointer and refuse completions not tagged with the serving deployment's id",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--spool", help="spool folder (default: <root>/spool)")

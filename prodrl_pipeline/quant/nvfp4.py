@@ -17,23 +17,31 @@ import io
 import re
 import warnings
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-
-with warnings.catch_warnings():  # modelopt warns on every transformers it was not released with
-    warnings.filterwarnings(
-        "ignore", message="transformers .* is not tested with current version of modelopt"
-    )
-    import modelopt.torch.quantization as mtq
-    from modelopt.torch.export import export_hf_checkpoint
-    from modelopt.torch.quantization.qtensor import NVFP4QTensor
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 BLOCK = 16
 QUANTIZED = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@cache
+def _modelopt() -> SimpleNamespace:
+    """ModelOpt, imported on first use: its import is slow and warns, and only the export, QAT
+    and NVFP4 deployment loads need it (a trainer without QAT on a GPU machine does not)."""
+    with warnings.catch_warnings():  # modelopt warns on every transformers it was not released with
+        warnings.filterwarnings(
+            "ignore", message="transformers .* is not tested with current version of modelopt"
+        )
+        import modelopt.torch.quantization as mtq  # noqa: PLC0415
+        from modelopt.torch.export import export_hf_checkpoint  # noqa: PLC0415
+        from modelopt.torch.quantization.qtensor import NVFP4QTensor  # noqa: PLC0415
+    return SimpleNamespace(mtq=mtq, export_hf_checkpoint=export_hf_checkpoint, NVFP4QTensor=NVFP4QTensor)
 
 
 def _shared_scale_2(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -43,9 +51,12 @@ def _shared_scale_2(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
             if f".{proj}.weight" in name:
                 siblings = [name.replace(f".{proj}.", f".{other}.") for other in group]
                 return torch.stack(
-                    [NVFP4QTensor.get_weights_scaling_factor_2(state[s].float()) for s in siblings]
+                    [
+                        _modelopt().NVFP4QTensor.get_weights_scaling_factor_2(state[s].float())
+                        for s in siblings
+                    ]
                 ).max()
-    return NVFP4QTensor.get_weights_scaling_factor_2(state[name].float())
+    return _modelopt().NVFP4QTensor.get_weights_scaling_factor_2(state[name].float())
 
 
 def quantize_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -58,7 +69,9 @@ def quantize_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if w.shape[-1] % BLOCK:
             raise ValueError(f"{name}: input dim {w.shape[-1]} is not a multiple of {BLOCK}")
         s2 = _shared_scale_2(state, name)
-        packed, scale, scale_2 = NVFP4QTensor.quantize(w.float(), BLOCK, weights_scaling_factor_2=s2)
+        packed, scale, scale_2 = _modelopt().NVFP4QTensor.quantize(
+            w.float(), BLOCK, weights_scaling_factor_2=s2
+        )
         base = name.removesuffix(".weight")
         out[f"{base}.weight"] = packed._quantized_data.contiguous()  # uint8 [out, in/2]
         out[f"{base}.weight_scale"] = scale.contiguous()  # float8_e4m3fn [out, in/16]
@@ -82,7 +95,7 @@ def dequantize_state(exported: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         base = name.removesuffix(".weight")
         if name.endswith(".weight") and f"{base}.weight_scale" in exported:
             shape = (t.shape[0], t.shape[1] * 2)
-            qt = NVFP4QTensor(torch.Size(shape), torch.float32, t)
+            qt = _modelopt().NVFP4QTensor(torch.Size(shape), torch.float32, t)
             out[name] = qt.dequantize(
                 dtype=torch.float32,
                 scale=exported[f"{base}.weight_scale"],
@@ -131,8 +144,9 @@ def export_deployment(
 
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # ModelOpt prints
         warnings.simplefilter("ignore")  # per module and warns on torch_dtype
-        mtq.quantize(quantized, mtq.NVFP4_DEFAULT_CFG, forward_loop)
-        export_hf_checkpoint(quantized, dtype=torch.float32, export_dir=path)
+        modelopt = _modelopt()
+        modelopt.mtq.quantize(quantized, modelopt.mtq.NVFP4_DEFAULT_CFG, forward_loop)
+        modelopt.export_hf_checkpoint(quantized, dtype=torch.float32, export_dir=path)
 
 
 def load_deployment(path: str | Path) -> PreTrainedModel:

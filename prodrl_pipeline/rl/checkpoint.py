@@ -44,5 +44,5 @@ def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, dict | None, dic
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path} is not a prodrl checkpoint (no {META_FILE})")
     opt = path / OPTIMIZER_FILE
-    optimizer_state = torch.load(opt, weights_only=True) if opt.exists() else None
+    optimizer_state = torch.load(opt, weights_only=True, map_location="cpu") if opt.exists() else None
     return load_model(path), optimizer_state, json.loads((path / META_FILE).read_text())

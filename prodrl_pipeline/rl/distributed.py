@@ -5,12 +5,13 @@ weights its tokens with the global (1/B)(1/T_i), so the gradients summed over ra
 single-process gradient (FSDP2 averages over ranks, so each rank's loss is scaled by the world
 size). Every forward and backward of a sharded model is collective, so every rank runs
 the same number of microbatches (a rank with fewer repeats one with weight 0). Metrics are reduced
-over ranks, so every rank returns the same rows. On CPU the backend is gloo (tested with 2
-processes); GPU data parallelism (NCCL, a device per rank) is not built yet.
+over ranks, so every rank returns the same rows. With CUDA each rank trains on its own GPU
+(LOCAL_RANK) over NCCL; without, on the CPU over gloo (tested here with 2 processes).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -53,6 +54,7 @@ class DataParallel:
 
     rank: int
     world: int
+    device: torch.device = torch.device("cpu")
     module: LogprobModule | None = None
     """Set by `shard_model`."""
 
@@ -61,12 +63,16 @@ class DataParallel:
 
     @classmethod
     def from_environment(cls) -> DataParallel:
-        """The group torchrun started (initialized here if it is not yet). CPU and gloo only for
-        now: the trainer keeps its tensors on the CPU (GPU data parallelism needs per-rank
-        devices and NCCL; not built yet)."""
+        """The group torchrun started (initialized here if it is not yet): NCCL and the GPU
+        LOCAL_RANK when CUDA is available, else gloo on the CPU."""
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
         if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        return cls(dist.get_rank(), dist.get_world_size())
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return cls(dist.get_rank(), dist.get_world_size(), device)
 
     def share(self, tokens: dict[str, int]) -> set[str]:
         """This rank's trajectories of a minibatch (`tokens`: trajectory id -> completion tokens):
@@ -83,13 +89,13 @@ class DataParallel:
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise sum over ranks (a float64 tensor)."""
-        out = values.detach().to(torch.float64).clone()
+        out = values.detach().to(self.device, torch.float64, copy=True)
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        return out
+        return out.cpu()
 
     def most(self, n: int) -> int:
         """The largest `n` over ranks."""
-        out = torch.tensor([n])
+        out = torch.tensor([n], device=self.device)
         dist.all_reduce(out, op=dist.ReduceOp.MAX)
         return int(out)
 
@@ -105,7 +111,8 @@ def shard_model(model: PreTrainedModel, dp: DataParallel) -> PreTrainedModel:
     """FSDP2 over each decoder layer and over the log-prob module around `model` (dp.module).
     FSDP2 averages gradients over ranks: the trainer scales each rank's loss by the world size so
     that the average is the sum (gloo has no pre-multiplied sum for a divide factor of 1)."""
-    mesh = init_device_mesh("cpu", (dp.world,))
+    model.to(dp.device)
+    mesh = init_device_mesh(dp.device.type, (dp.world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     dp.module = fully_shard(LogprobModule(model), mesh=mesh)

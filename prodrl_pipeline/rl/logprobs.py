@@ -19,7 +19,7 @@ the policy as served: at the recorded temperature, with the recorded logit bias 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -49,7 +49,12 @@ class Sequences:
 
     @property
     def free(self) -> torch.Tensor:  # [Ntok] bool: sampled, not forced
-        return torch.tensor([s is None or len(s) > 1 for s in self.support])
+        return torch.tensor([s is None or len(s) > 1 for s in self.support], device=self.token_ids.device)
+
+    def to(self, device: torch.device | str) -> Sequences:
+        """The same batch with every tensor on `device`."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Sequences(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
 def build_sequences(calls: list[dict], pad_id: int) -> Sequences:
@@ -156,8 +161,8 @@ def project_logprobs(
             seqs.head_ids[sl],
             seqs.head_mask[sl],
             seqs.extra_ids[sl],
-            _support_mask(seqs.support[sl], vocab),
-            bias_matrix(seqs.bias[sl], vocab) if seqs.bias is not None else None,
+            _support_mask(seqs.support[sl], vocab, h.device),
+            bias_matrix(seqs.bias[sl], vocab).to(h.device) if seqs.bias is not None else None,
         )
         if torch.is_grad_enabled():
             outs.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
@@ -202,7 +207,8 @@ def _chunk_logprobs(
     return lp, kept.gather(1, head_ids), tail, kept.gather(1, extra_ids), complement, full, entropy
 
 
-def _support_mask(support: list[list[int] | None], vocab: int) -> torch.Tensor | None:  # [c, V]
+def _support_mask(support: list[list[int] | None], vocab: int, device: torch.device) -> torch.Tensor | None:
+    """[c, V] True on each token's kept support, None when every support is the vocabulary."""
     if all(s is None for s in support):
         return None
     keep = torch.ones((len(support), vocab), dtype=torch.bool)
@@ -210,4 +216,4 @@ def _support_mask(support: list[list[int] | None], vocab: int) -> torch.Tensor |
         if s is not None:
             keep[i] = False
             keep[i, s] = True
-    return keep
+    return keep.to(device)

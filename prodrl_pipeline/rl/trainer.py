@@ -63,6 +63,9 @@ class TrainerConfig:
     qat: bool = False
     """NVFP4 quantization-aware training: forward through the weights the deployment will serve
     (the export's quantizer, straight-through gradient), for pi_k and every step."""
+    device: str = "cpu"
+    """Where the single-process trainer runs (e.g. "cuda"); checkpoints are saved from the CPU.
+    Under torchrun each rank uses its own GPU when CUDA is available (rl/distributed.py)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "microbatch_calls", "logprob_chunk_tokens"):
@@ -145,12 +148,17 @@ def policy_logprobs(
     calls a rank with none of its own runs, results unused)."""
     out = {}
     w_hat = served_weights(model) if fake_quant else None
+    device = _device(model)
     for mb, real in _passes(_microbatches(calls, cfg.microbatch_calls), dp, spare):
-        lp = _token_logprobs(model, build_sequences(mb, pad_id), cfg, w_hat, dp).logprobs
+        lp = _token_logprobs(model, build_sequences(mb, pad_id).to(device), cfg, w_hat, dp).logprobs
         if real:
             for c, part in zip(mb, lp.split([len(c["completion_token_ids"]) for c in mb]), strict=True):
                 out[c["call_id"]] = part
     return out
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _means(stats: dict[str, list[torch.Tensor]], dp: DataParallel | None) -> dict[str, float]:
@@ -207,6 +215,7 @@ def train_round(
         for mb in ordered
     ]
     shares = [dp.share(length) if dp else set(length) for length in lengths]
+    device = _device(model)
     model.eval()  # Qwen3 has no dropout; eval keeps pi_k and pi numerically identical at step 0
     if round_start is None:
         mine = set().union(*shares)
@@ -224,12 +233,16 @@ def train_round(
         loss_total, dropped = 0.0, set()
         micros = _microbatches([c for t in adv if t in share for c in by_traj[t]], cfg.microbatch_calls)
         for micro, real in _passes(micros, dp, by_traj[mb[0]["trajectory_id"]]):
-            seqs = build_sequences(micro, pad_id)
+            seqs = build_sequences(micro, pad_id).to(device)
             lp = _token_logprobs(model, seqs, cfg, w_hat, dp)
             owner = [c["trajectory_id"] for c in micro for _ in c["completion_token_ids"]]
             index = {t: i for i, t in enumerate(dict.fromkeys(owner))}
             free = seqs.free
-            pi_k = torch.cat([round_start[c["call_id"]] for c in micro]) if real else lp.logprobs.detach()
+            pi_k = (
+                torch.cat([round_start[c["call_id"]] for c in micro]).to(device)
+                if real
+                else lp.logprobs.detach()
+            )
             mu, head_mu = seqs.deployment_logprobs, seqs.head_deployment_logprobs
             if cfg.tokens == "retokenized":  # NaN: no recorded log-prob; taken as on-policy, mu = pi_k
                 mu = torch.where(mu.isnan(), pi_k, mu)
@@ -238,17 +251,19 @@ def train_round(
                 logprobs=lp.logprobs,
                 deployment_logprobs=mu,
                 round_start_logprobs=pi_k,
-                advantages=torch.tensor([adv[t] for t in owner], dtype=torch.float32),
-                trajectory=torch.tensor([index[t] for t in owner]),
+                advantages=torch.tensor([adv[t] for t in owner], dtype=torch.float32, device=device),
+                trajectory=torch.tensor([index[t] for t in owner], device=device),
                 free=free,
                 head_logprobs=lp.head_logprobs,
                 tail_logprobs=lp.tail_logprobs,
                 head_deployment_logprobs=head_mu,
                 extra_logprobs=lp.extra_logprobs,
                 complement_logprobs=lp.complement_logprobs,
-                reference_logprobs=torch.cat([reference[c["call_id"]] for c in micro]) if reference else None,
+                reference_logprobs=torch.cat([reference[c["call_id"]] for c in micro]).to(device)
+                if reference
+                else None,
             )
-            weight = torch.tensor([1.0 / (n_traj * length[t]) if real else 0.0 for t in owner])
+            weight = torch.tensor([1.0 / (n_traj * length[t]) if real else 0.0 for t in owner], device=device)
             j, diag = objective(x, est)
             loss = aggregate(j, weight)
             (loss * dp.world if dp else loss).backward()  # FSDP2 averages over ranks: this sums

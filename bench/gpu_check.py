@@ -1,0 +1,131 @@
+"""GPU check of the scaled-out trainer (scripts/gpu_check.sh runs it; a few minutes on one GPU).
+
+1. Records a round of lab traffic (64 train puzzles, the lab-size model, the embedded engine on
+   the CPU, full-precision export) into Delta tables, with synthetic advantages (-1, 0, 1: a
+   fresh model solves nothing, and a zero advantage would leave nothing to compare).
+2. Trains that round from the same parent three ways: single process on the CPU, single process
+   on the GPU (`TrainerConfig.device`), and under torchrun with FSDP2 over NCCL, one process per
+   GPU (`rl/train_distributed.py`). Prints each step's loss, the largest parameter difference of
+   the GPU runs from the CPU run, and the engine-vs-trainer mismatch |log pi_k - log mu|.
+3. Times one step on the CPU and on the GPU (the same 64 trajectories).
+Prints one JSON object. Needs CUDA, torch, transformers, deltalake and chess.
+
+    python -m bench.gpu_check
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.engine.sampler import TorchEngine
+from prodrl_pipeline.envs.chat import load_tokenizer
+from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
+from prodrl_pipeline.envs.rollout import play
+from prodrl_pipeline.model import TinyQwen3Config, build_model
+from prodrl_pipeline.records.store import DeltaStore
+from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
+from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
+
+REPO = Path(__file__).resolve().parent.parent
+PUZZLES, STEPS, BATCH = 64, 2, 32
+
+
+def _train(parent: Path, calls: list[dict], adv: list[dict], cfg: TrainerConfig, pad: int) -> tuple:
+    model, state, meta = load_checkpoint(parent)
+    model.to(cfg.device)
+    opt = make_optimizer(model, cfg, state)
+    t0 = time.perf_counter()
+    rows = train_round(model, opt, calls, adv, cfg, pad, first_step=meta["step"])
+    if cfg.device != "cpu":
+        torch.cuda.synchronize()
+    return model.to("cpu"), rows, time.perf_counter() - t0
+
+
+def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def main() -> None:
+    assert torch.cuda.is_available(), "the GPU check needs CUDA"
+    tok = load_tokenizer(REPO / "data" / "tokenizer")
+    model = build_model(TinyQwen3Config(), len(tok), tok.pad_token_id)
+    engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, top_logprobs=20)
+    puzzles = list(iter_lab_puzzles(REPO / "data", "train"))[:PUZZLES]
+    rollouts = play(engine, tok, puzzles, SamplingParams(), deployment_id="base", round_=1, seed=0)
+    adv = [
+        {
+            "trajectory_id": t["trajectory_id"],
+            "round": 1,
+            "minibatch": i % STEPS,
+            "reward": t["reward"],
+            "baseline": 0.0,
+            "advantage": float(i % 3 - 1),
+        }
+        for i, t in enumerate(rollouts.trajectories)
+    ]
+    cfg = TrainerConfig(steps=STEPS, batch_size=BATCH, lr=1e-3, warmup_steps=0)
+    report: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "gpus": torch.cuda.device_count(),
+        "calls": len(rollouts.calls),
+        "completion_tokens": sum(len(c["completion_token_ids"]) for c in rollouts.calls),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        save_checkpoint(root / "parent", model, None, {"step": 0})
+        store = DeltaStore(root / "tables")
+        store.overwrite_round("calls", rollouts.calls, 1)
+        store.overwrite_round("advantages", adv, 1)
+        cpu, cpu_rows, cpu_s = _train(root / "parent", rollouts.calls, adv, cfg, tok.pad_token_id)
+        gpu_cfg = TrainerConfig(**{**asdict(cfg), "estimator": cfg.estimator, "device": "cuda"})
+        _train(root / "parent", rollouts.calls, adv, gpu_cfg, tok.pad_token_id)  # warm-up: CUDA kernels
+        gpu, gpu_rows, gpu_s = _train(root / "parent", rollouts.calls, adv, gpu_cfg, tok.pad_token_id)
+        trainer = {k: v for k, v in asdict(cfg).items() if k not in ("estimator", "device")}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             str(torch.cuda.device_count()), "-m", "prodrl_pipeline.rl.train_distributed",
+             "--tables", str(root / "tables"), "--round", "1", "--parent", str(root / "parent"),
+             "--out", str(root / "fsdp"), "--trainer", json.dumps(trainer),
+             "--pad-id", str(tok.pad_token_id), "--rows", str(root / "rows.json")],
+            capture_output=True, text=True, timeout=600, env=env,
+        )  # fmt: skip
+        if run.returncode:
+            report["fsdp2_error"] = run.stderr[-3000:]
+        else:
+            fsdp_rows = json.loads((root / "rows.json").read_text())
+            fsdp, _, fsdp_meta = load_checkpoint(root / "fsdp")
+            report["fsdp2_nccl"] = {
+                "processes": fsdp_meta["data_parallel"],
+                "loss": [r["loss"] for r in fsdp_rows],
+                "max_param_diff_from_cpu": _max_diff(fsdp, cpu),
+            }
+    report |= {
+        "loss_cpu": [r["loss"] for r in cpu_rows],
+        "loss_gpu": [r["loss"] for r in gpu_rows],
+        "max_param_diff_gpu_vs_cpu": _max_diff(gpu, cpu),
+        "params_moved": _max_diff(cpu, model),
+        "engine_mismatch_gpu": [r["engine_mismatch"] for r in gpu_rows],
+        "round_seconds_cpu": cpu_s,
+        "round_seconds_gpu": gpu_s,
+        "gpu_speedup": cpu_s / gpu_s,
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
