@@ -8,13 +8,15 @@
    GPU (`rl/train_distributed.py`). Prints each step's loss, the largest parameter difference of
    the GPU runs from the CPU run, and the engine-vs-trainer mismatch |log pi_k - log mu|.
 3. Times one step on the CPU and on the GPU (the same 64 trajectories).
-Prints one JSON object. Needs CUDA, torch, transformers, deltalake and chess.
+Prints one JSON object. Needs CUDA, torch, transformers, deltalake and chess; `--prepare DIR`
+records step 1 on any machine, `--prepared DIR` trains it on the GPU machine.
 
     python -m bench.gpu_check
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -26,12 +28,6 @@ from pathlib import Path
 
 import torch
 
-from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import TorchEngine
-from prodrl_pipeline.envs.chat import load_tokenizer
-from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
-from prodrl_pipeline.envs.rollout import play
-from prodrl_pipeline.model import TinyQwen3Config, build_model
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
@@ -55,8 +51,16 @@ def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
-def main() -> None:
-    assert torch.cuda.is_available(), "the GPU check needs CUDA"
+def prepare(root: Path) -> None:
+    """Record the round into `root`: tables/ (calls, advantages) and parent/ (the checkpoint)."""
+    # the engine and the environment are imported here: the GPU side (`check`) needs neither
+    from prodrl_pipeline.engine.processing import SamplingParams  # noqa: PLC0415
+    from prodrl_pipeline.engine.sampler import TorchEngine  # noqa: PLC0415
+    from prodrl_pipeline.envs.chat import load_tokenizer  # noqa: PLC0415
+    from prodrl_pipeline.envs.lab_data import iter_lab_puzzles  # noqa: PLC0415
+    from prodrl_pipeline.envs.rollout import play  # noqa: PLC0415
+    from prodrl_pipeline.model import TinyQwen3Config, build_model  # noqa: PLC0415
+
     tok = load_tokenizer(REPO / "data" / "tokenizer")
     model = build_model(TinyQwen3Config(), len(tok), tok.pad_token_id)
     engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, top_logprobs=20)
@@ -73,58 +77,82 @@ def main() -> None:
         }
         for i, t in enumerate(rollouts.trajectories)
     ]
+    save_checkpoint(root / "parent", model, None, {"step": 0})
+    store = DeltaStore(root / "tables")
+    store.overwrite_round("calls", rollouts.calls, 1)
+    store.overwrite_round("advantages", adv, 1)
+
+
+def check(root: Path) -> dict:
+    """Train the recorded round on the CPU, the GPU and with FSDP2 over NCCL; compare."""
+    assert torch.cuda.is_available(), "the GPU check needs CUDA"
+    store = DeltaStore(root / "tables")
+    calls, adv = store.read("calls", 1).to_pylist(), store.read("advantages", 1).to_pylist()
+    model, _, _ = load_checkpoint(root / "parent")
+    pad = model.config.pad_token_id
     cfg = TrainerConfig(steps=STEPS, batch_size=BATCH, lr=1e-3, warmup_steps=0)
     report: dict = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "gpus": torch.cuda.device_count(),
-        "calls": len(rollouts.calls),
-        "completion_tokens": sum(len(c["completion_token_ids"]) for c in rollouts.calls),
+        "calls": len(calls),
+        "completion_tokens": sum(len(c["completion_token_ids"]) for c in calls),
+    }
+    cpu, cpu_rows, cpu_s = _train(root / "parent", calls, adv, cfg, pad)
+    gpu_cfg = TrainerConfig(**{**asdict(cfg), "estimator": cfg.estimator, "device": "cuda"})
+    _train(root / "parent", calls, adv, gpu_cfg, pad)  # warm-up: CUDA kernels
+    gpu, gpu_rows, gpu_s = _train(root / "parent", calls, adv, gpu_cfg, pad)
+    trainer = {k: v for k, v in asdict(cfg).items() if k not in ("estimator", "device")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        save_checkpoint(root / "parent", model, None, {"step": 0})
-        store = DeltaStore(root / "tables")
-        store.overwrite_round("calls", rollouts.calls, 1)
-        store.overwrite_round("advantages", adv, 1)
-        cpu, cpu_rows, cpu_s = _train(root / "parent", rollouts.calls, adv, cfg, tok.pad_token_id)
-        gpu_cfg = TrainerConfig(**{**asdict(cfg), "estimator": cfg.estimator, "device": "cuda"})
-        _train(root / "parent", rollouts.calls, adv, gpu_cfg, tok.pad_token_id)  # warm-up: CUDA kernels
-        gpu, gpu_rows, gpu_s = _train(root / "parent", rollouts.calls, adv, gpu_cfg, tok.pad_token_id)
-        trainer = {k: v for k, v in asdict(cfg).items() if k not in ("estimator", "device")}
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        }
+        out = Path(tmp)
         run = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
              str(torch.cuda.device_count()), "-m", "prodrl_pipeline.rl.train_distributed",
              "--tables", str(root / "tables"), "--round", "1", "--parent", str(root / "parent"),
-             "--out", str(root / "fsdp"), "--trainer", json.dumps(trainer),
-             "--pad-id", str(tok.pad_token_id), "--rows", str(root / "rows.json")],
+             "--out", str(out / "fsdp"), "--trainer", json.dumps(trainer),
+             "--pad-id", str(pad), "--rows", str(out / "rows.json")],
             capture_output=True, text=True, timeout=600, env=env,
         )  # fmt: skip
         if run.returncode:
             report["fsdp2_error"] = run.stderr[-3000:]
         else:
-            fsdp_rows = json.loads((root / "rows.json").read_text())
-            fsdp, _, fsdp_meta = load_checkpoint(root / "fsdp")
+            fsdp_rows = json.loads((out / "rows.json").read_text())
+            fsdp, _, fsdp_meta = load_checkpoint(out / "fsdp")
             report["fsdp2_nccl"] = {
                 "processes": fsdp_meta["data_parallel"],
                 "loss": [r["loss"] for r in fsdp_rows],
                 "max_param_diff_from_cpu": _max_diff(fsdp, cpu),
             }
-    report |= {
+    return report | {
         "loss_cpu": [r["loss"] for r in cpu_rows],
         "loss_gpu": [r["loss"] for r in gpu_rows],
         "max_param_diff_gpu_vs_cpu": _max_diff(gpu, cpu),
         "params_moved": _max_diff(cpu, model),
+        "engine_mismatch_cpu": [r["engine_mismatch"] for r in cpu_rows],
         "engine_mismatch_gpu": [r["engine_mismatch"] for r in gpu_rows],
         "round_seconds_cpu": cpu_s,
         "round_seconds_gpu": gpu_s,
         "gpu_speedup": cpu_s / gpu_s,
     }
-    print(json.dumps(report, indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prepared", type=Path, help="a folder `--prepare` wrote (default: record now)")
+    p.add_argument("--prepare", type=Path, help="only record the round into this folder (no GPU needed)")
+    args = p.parse_args()
+    if args.prepare:
+        prepare(args.prepare)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.prepared or Path(tmp)
+        if not args.prepared:
+            prepare(root)
+        print(json.dumps(check(root), indent=1))
 
 
 if __name__ == "__main__":
