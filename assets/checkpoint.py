@@ -25,7 +25,7 @@ from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup, register_checkpoint, round_id
 from prodrl_pipeline.rl.checkpoint import LINEAGE_KEYS, load_checkpoint, save_checkpoint
 from prodrl_pipeline.rl.retokenize import retokenize_calls
-from prodrl_pipeline.rl.trainer import make_optimizer, policy_logprobs, train_round
+from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, policy_logprobs, train_round
 from prodrl_pipeline.rounds import parent_checkpoint
 from resources.lab import EstimatorSettings, LabResource
 from resources.store import StoreResource
@@ -115,19 +115,24 @@ def _checkpoint_round(
     context.log.info(
         f"round {k}: {cfg.steps} x {cfg.batch_size} with {est.type} from {parent['checkpoint_id']}"
     )
-    parent_path = artifacts.local(parent["path"])
-    reference = artifacts.local(deployment["path"]) if est.type == "ref_is" else None
-    with artifacts.writing(path) as folder:
-        if lab.trainer_processes:
-            rows, extra = _train_with_torchrun(
-                context, lab, cfg, store, k, parent_path, folder, meta, behaviour_step
-            )
-            retokenized: dict = {}
-        else:
-            rows, retokenized = _train_in_process(
-                context, lab, cfg, tables, k, parent_path, folder, meta, reference, behaviour_step
-            )
-            extra = {}
+    retokenized: dict = {}
+    extra: dict = {}
+    if lab.trainer_image:  # the pod reads the parent and writes the checkpoint on the object store
+        rows, extra = _train_with_torchrun(
+            context, lab, cfg, store, k, parent["path"], path, meta, behaviour_step
+        )
+    else:
+        parent_path = artifacts.local(parent["path"])
+        reference = artifacts.local(deployment["path"]) if est.type == "ref_is" else None
+        with artifacts.writing(path) as folder:
+            if lab.trainer_processes:
+                rows, extra = _train_with_torchrun(
+                    context, lab, cfg, store, k, str(parent_path), str(folder), meta, behaviour_step
+                )
+            else:
+                rows, retokenized = _train_in_process(
+                    context, lab, cfg, tables, k, parent_path, folder, meta, reference, behaviour_step
+                )
     register_checkpoint(
         tables,
         checkpoint_id=ckpt_id,
@@ -239,65 +244,64 @@ def _train_in_process(context, lab, cfg, tables, k, parent_path, path, meta, ref
     return rows, retokenized
 
 
-def _train_with_torchrun(context, lab, cfg, store, k, parent_path, path, meta, behaviour_step):  # noqa: ANN001, ANN202, PLR0913
+def _train_with_torchrun(  # noqa: PLR0913
+    context: AssetExecutionContext,
+    lab: LabResource,
+    cfg: TrainerConfig,
+    store: StoreResource,
+    k: int,
+    parent: str,
+    out: str,
+    meta: dict,
+    behaviour_step: int,
+) -> tuple[list[dict], dict]:
     """S steps data-parallel in `lab.trainer_processes` torchrun processes launched through Dagster
-    Pipes (resources/pipes_train.py, run from the repository root); rank 0 writes the checkpoint
-    and reports its metrics. pi_k stays inside the processes: `policy_logprobs` keeps no rows for
-    such a round."""
+    Pipes: here (PipesSubprocessClient, from the repository root) or, with `lab.trainer_image`,
+    in a Kubernetes pod with that many GPUs (PipesK8sClient), which reads the tables and the
+    parent and writes `out` on the object store itself. Rank 0 writes the checkpoint and reports
+    the step rows. pi_k stays inside the processes: `policy_logprobs` keeps no rows for the round."""
     if cfg.tokens != "recorded" or cfg.qat or cfg.estimator.type == "ref_is":
         raise Failure(
             description="trainer_processes > 0 trains recorded tokens without QAT, with any estimator "
             "but ref_is"
         )
-    path = Path(path).resolve()
     tables_uri = store.tables().root
-    tables_uri = tables_uri if is_remote(tables_uri) else str(Path(tables_uri).resolve())
-    rows_file = path.parent / f".rows-{path.name}.json"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(lab.trainer_processes),
-        "-m",
-        "resources.pipes_train",
-        "--tables",
-        tables_uri,
-        "--round",
-        str(k),
-        "--parent",
-        str(Path(parent_path).resolve()),
-        "--out",
-        str(path),
-        "--trainer",
-        json.dumps(asdict(cfg)),
-        "--pad-id",
-        str(lab.tokenizer().pad_token_id),
-        "--behaviour-step",
-        str(behaviour_step),
-        "--rows",
-        str(rows_file),
-        "--meta",
-        json.dumps(meta, default=str),
-    ]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    env = {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        STORAGE_OPTIONS_ENV: json.dumps(store.storage_options),
-    }
-    try:
-        results = (
-            PipesSubprocessClient(cwd=str(REPO), env=env).run(command=command, context=context).get_results()
+    in_pod = bool(lab.trainer_image)
+    if in_pod and not (is_remote(tables_uri) and is_remote(out)):
+        raise Failure(
+            description="a trainer pod (lab.trainer_image) reads and writes object storage only: set "
+            "store.tables_uri and store.artifacts_uri to s3:// URIs"
         )
-        rows = json.loads(rows_file.read_text())
+    local = lambda uri: uri if is_remote(uri) else str(Path(uri).resolve())  # noqa: E731
+    args = [
+        "--tables", local(tables_uri), "--round", str(k), "--parent", local(parent), "--out", local(out),
+        "--trainer", json.dumps(asdict(cfg)), "--pad-id", str(lab.tokenizer().pad_token_id),
+        "--behaviour-step", str(behaviour_step), "--meta", json.dumps(meta, default=str),
+    ]  # fmt: skip
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(lab.trainer_processes)]
+    env = {STORAGE_OPTIONS_ENV: json.dumps(store.storage_options)}
+    try:
+        if in_pod:
+            from dagster_k8s import PipesK8sClient  # noqa: PLC0415 (the k8s extra)
+
+            invocation = PipesK8sClient().run(
+                context=context,
+                image=lab.trainer_image,
+                command=["python", *torchrun, "-m", "resources.pipes_train", *args],
+                namespace=lab.trainer_namespace or None,
+                env=env,
+                base_pod_spec=trainer_pod_spec(lab.trainer_processes),
+            )
+        else:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+            command = [sys.executable, *torchrun, "-m", "resources.pipes_train", *args]
+            invocation = PipesSubprocessClient(cwd=str(REPO), env=env).run(command=command, context=context)
+        results = invocation.get_results()
     except DagsterPipesExecutionError as e:
         raise Failure(
             description=f"round {k}: the {lab.trainer_processes} trainer processes failed ({e}); "
             "their tracebacks are in this step's stderr"
         ) from e
-    finally:
-        rows_file.unlink(missing_ok=True)
     store.tables(context.run.run_id).overwrite(
         "policy_logprobs", [], f"round = {k} AND experiment = '{lab.experiment}'"
     )  # rows an earlier in-process run left would not match this checkpoint
@@ -306,11 +310,29 @@ def _train_with_torchrun(context, lab, cfg, store, k, parent_path, path, meta, b
         for r in results
         for key, value in (r.metadata or {}).items()
     }
+    rows = reported.pop("step_rows")
     for row in rows:
         _progress(context, k, row)
     return rows, {
         "trainer_processes": lab.trainer_processes,
+        **({"trainer_image": lab.trainer_image} if in_pod else {}),
         **{f"pipes_{key}": v for key, v in reported.items()},
+    }
+
+
+def trainer_pod_spec(gpus: int) -> dict:
+    """The trainer pod: `gpus` GPUs for its first container (one torchrun process each), a
+    memory-backed /dev/shm (NCCL and the data loader need more than the default 64 MiB), no restart."""
+    return {
+        "restart_policy": "Never",
+        "containers": [
+            {
+                "name": "trainer",
+                "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+                "volume_mounts": [{"name": "shm", "mount_path": "/dev/shm"}],
+            }
+        ],
+        "volumes": [{"name": "shm", "empty_dir": {"medium": "Memory"}}],
     }
 
 

@@ -119,6 +119,12 @@ class LabResource(ConfigurableResource):
     `torchrun --nproc-per-node N` through Dagster Pipes, data-parallel with FSDP2
     (rl/distributed.py; recorded tokens, no QAT, any estimator but ref_is). With CUDA each
     process trains on its own GPU."""
+    trainer_image: str = ""
+    """With `trainer_processes` N: run the torchrun processes in a Kubernetes pod of this image (the
+    project installed, `python` on the PATH) with N GPUs, through PipesK8sClient (the `k8s` extra).
+    Tables and artifacts must then be on object storage. Empty: local processes."""
+    trainer_namespace: str = ""
+    """The trainer pod's namespace (empty: the current one, else "default")."""
     trainer_device: str = "cpu"
     """Where the in-process trainer runs: "cpu" or a torch device such as "cuda"."""
     vllm_url: str = ""

@@ -20,6 +20,7 @@ def main() -> None:
                     "global_step": rows[-1]["step"],
                     "loss_last_step": rows[-1]["loss"],
                     "grad_norm_last_step": rows[-1]["grad_norm"],
+                    "step_rows": {"raw_value": rows, "type": "json"},  # the asset's train_steps rows
                 }
             )
 

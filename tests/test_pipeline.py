@@ -8,7 +8,7 @@ from dagster import AssetKey, Definitions, instance_for_test, materialize
 
 from assets.advantages import advantages
 from assets.base_model import base_model
-from assets.checkpoint import checkpoint
+from assets.checkpoint import checkpoint, trainer_pod_spec
 from assets.checks import CHECKS
 from assets.definitions import defs
 from assets.deployment import deployment
@@ -362,3 +362,24 @@ def test_a_round_trains_data_parallel_in_torchrun_processes_launched_through_pip
     steps = tables.read("train_steps", 1).to_pylist()
     assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["loss"]) for r in steps)
     assert tables.live_deployment()["deployment_id"] == "main-r000001"  # the round went on to deploy
+
+
+def test_a_trainer_pod_needs_object_storage_and_gets_its_gpus(tmp_path):
+    resources = _resources(tmp_path, trainer_processes=2, trainer_image="registry.example/prodrl:1")
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        instance.add_dynamic_partitions("rounds", [round_key(1)])
+        result = materialize(
+            ASSETS,
+            selection=ROUND,
+            partition_key=round_key(1),
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+        )
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert failure.step_key == "checkpoint"
+    assert "object storage only" in failure.event_specific_data.error.message  # before any pod starts
+    spec = trainer_pod_spec(4)
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert spec["volumes"][0]["empty_dir"]["medium"] == "Memory"

@@ -155,15 +155,16 @@ def load_sharded(
 
 
 def save_consolidated(
-    path: str | Path,
+    path: str | Path | None,
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
     meta: dict,
     parent: str | Path,
     dp: DataParallel,
 ) -> None:
-    """Gather the sharded model and optimizer (collective) and, on rank 0, write them as a
-    single-process checkpoint: the next round loads it with or without data parallelism."""
+    """Gather the sharded model and optimizer (collective) and, on rank 0, write them to `path`
+    (unused on other ranks) as a single-process checkpoint: the next round loads it with or
+    without data parallelism."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # complete on rank 0 only
     model_state = get_model_state_dict(model, options=options)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)

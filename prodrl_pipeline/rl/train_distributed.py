@@ -12,13 +12,14 @@ single-process layout (model, Adam state, meta) and the per-step metrics rows as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
 
 import torch.distributed as dist
 
-from prodrl_pipeline.artifacts import STORAGE_OPTIONS_ENV, storage_options_from_environment
+from prodrl_pipeline.artifacts import STORAGE_OPTIONS_ENV, Artifacts, storage_options_from_environment
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import LINEAGE_KEYS
 from prodrl_pipeline.rl.distributed import DataParallel, load_sharded, save_consolidated
@@ -40,8 +41,10 @@ def parser() -> argparse.ArgumentParser:
         help=f"the store's tables: a folder or s3:// URI (credentials: ${STORAGE_OPTIONS_ENV} or AWS_*)",
     )
     p.add_argument("--round", type=int, required=True)
-    p.add_argument("--parent", required=True, help="the checkpoint to train from")
-    p.add_argument("--out", required=True, help="where rank 0 writes the new checkpoint")
+    p.add_argument("--parent", required=True, help="the checkpoint to train from (a folder or s3:// URI)")
+    p.add_argument(
+        "--out", required=True, help="where rank 0 writes the new checkpoint (a folder or s3:// URI)"
+    )
     p.add_argument("--trainer", default="{}", help="TrainerConfig fields as JSON")
     p.add_argument("--pad-id", type=int, required=True)
     p.add_argument("--behaviour-step", type=int, help="global step of the checkpoint that sampled the calls")
@@ -56,11 +59,14 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], int]:
     dp = DataParallel.from_environment()
     try:
         cfg = trainer_config(json.loads(args.trainer))
-        store = DeltaStore(args.tables, storage_options=storage_options_from_environment(os.environ))
+        options = storage_options_from_environment(os.environ)
+        store = DeltaStore(args.tables, storage_options=options)
+        files = Artifacts(args.out, options)
+        parent = files.local(args.parent)
         advantages = store.read("advantages", args.round).to_pylist()
         trained = {a["trajectory_id"] for a in advantages}
         calls = [c for c in store.read("calls", args.round).to_pylist() if c["trajectory_id"] in trained]
-        model, optimizer, meta = load_sharded(args.parent, cfg, dp)
+        model, optimizer, meta = load_sharded(parent, cfg, dp)
         rows = train_round(
             model,
             optimizer,
@@ -74,7 +80,8 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], int]:
         )
         lineage = {key: meta.get(key) for key in LINEAGE_KEYS}
         out_meta = {**lineage, **json.loads(args.meta), "step": rows[-1]["step"], "data_parallel": dp.world}
-        save_consolidated(args.out, model, optimizer, out_meta, args.parent, dp)
+        with files.writing(args.out) if dp.rank == 0 else contextlib.nullcontext() as out:
+            save_consolidated(out, model, optimizer, out_meta, parent, dp)  # `out`: rank 0's only
         if dp.rank == 0 and args.rows:
             Path(args.rows).write_text(json.dumps(rows))
     finally:
