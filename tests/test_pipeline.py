@@ -53,6 +53,19 @@ def run_rounds(instance, resources, rounds) -> None:
         ).success
 
 
+def _round_one(instance, resources):
+    """Round 1's five assets, its failures returned rather than raised."""
+    instance.add_dynamic_partitions("rounds", [round_key(1)])
+    return materialize(
+        ASSETS,
+        selection=ROUND,
+        partition_key=round_key(1),
+        instance=instance,
+        resources=resources,
+        raise_on_error=False,
+    )
+
+
 def _evaluation_after(instance, resources, asset):
     """Re-materialize `asset` for round 1 and return its (single) asset check evaluation."""
     result = materialize(
@@ -245,15 +258,7 @@ def test_a_failed_deploy_gate_keeps_the_live_pointer(tmp_path):
         # crafted: the live deployment's stored evaluation solves every held-out puzzle
         rows = [{**r, "solved": True, "reward": 1.0} for r in tables.read("eval_results", 0).to_pylist()]
         tables.overwrite("eval_results", rows, "round = 0 AND deployment_id = 'base'")
-        instance.add_dynamic_partitions("rounds", [round_key(1)])
-        result = materialize(
-            ASSETS,
-            selection=ROUND,
-            partition_key=round_key(1),
-            instance=instance,
-            resources=resources,
-            raise_on_error=False,
-        )
+        result = _round_one(instance, resources)
         assert not result.success
         checks = [
             e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
@@ -368,15 +373,7 @@ def test_a_trainer_pod_needs_object_storage_and_gets_its_gpus(tmp_path):
     resources = _resources(tmp_path, trainer_processes=2, trainer_image="registry.example/prodrl:1")
     with instance_for_test() as instance:
         assert materialize([base_model], instance=instance, resources=resources).success
-        instance.add_dynamic_partitions("rounds", [round_key(1)])
-        result = materialize(
-            ASSETS,
-            selection=ROUND,
-            partition_key=round_key(1),
-            instance=instance,
-            resources=resources,
-            raise_on_error=False,
-        )
+        result = _round_one(instance, resources)
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     assert failure.step_key == "checkpoint"
     assert "object storage only" in failure.event_specific_data.error.message  # before any pod starts
