@@ -38,11 +38,11 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         "data": None if lab.base_checkpoint else base_inputs_digest(lab.data_dir),
     }
     artifacts = store.artifacts()
-    path = artifacts.uri("checkpoints", BASE)
-    try:
+    try:  # the registered base checkpoint's folder (on S3 a version of it) and its meta
+        path = lookup(tables, "checkpoints", "checkpoint_id", BASE)["path"]
         stored_file = artifacts.local(path) / META_FILE
-    except FileNotFoundError:  # nothing stored on the object store yet
-        stored_file = None
+    except (KeyError, FileNotFoundError):
+        path, stored_file = None, None
     stored = json.loads(stored_file.read_text()) if stored_file and stored_file.exists() else None
     cached = stored == meta
     if stored is not None and not cached and (trained := children(tables, BASE)):
@@ -59,14 +59,15 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         model = build_model(lab.tiny_model(), len(tok), tok.pad_token_id)
         warm_rows = _warm_start(context, lab, model, warm)
     if not cached:
-        with artifacts.writing(path) as folder:
-            save_checkpoint(folder, model, None, meta)
+        with artifacts.writing(artifacts.uri("checkpoints", BASE)) as upload:
+            save_checkpoint(upload.folder, model, None, meta)
+        path = upload.uri
     register_checkpoint(
         tables, checkpoint_id=BASE, round_=0, experiment="", parent_id=None, path=path, step=0
     )
-    deploy_path = artifacts.uri("deployments", BASE)
-    with artifacts.writing(deploy_path) as folder:
-        export_deployment(model, folder, lab.quant_format)
+    with artifacts.writing(artifacts.uri("deployments", BASE)) as upload:
+        export_deployment(model, upload.folder, lab.quant_format)
+    deploy_path = upload.uri
     register_deployment(
         tables,
         deployment_id=BASE,

@@ -30,6 +30,8 @@ from prodrl_pipeline.rounds import parent_checkpoint
 from resources.lab import EstimatorSettings, LabResource
 from resources.store import StoreResource
 
+SECRET_OPTIONS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+"""Storage options that must not be written into a pod spec."""
 REPO = Path(__file__).resolve().parent.parent
 """The repository root: the trainer processes run `-m resources.pipes_train` from it."""
 
@@ -118,21 +120,22 @@ def _checkpoint_round(
     retokenized: dict = {}
     extra: dict = {}
     if lab.trainer_image:  # the pod reads the parent and writes the checkpoint on the object store
-        rows, extra = _train_with_torchrun(
+        rows, extra, path = _train_with_torchrun(
             context, lab, cfg, store, k, parent["path"], path, meta, behaviour_step
         )
     else:
         parent_path = artifacts.local(parent["path"])
         reference = artifacts.local(deployment["path"]) if est.type == "ref_is" else None
-        with artifacts.writing(path) as folder:
+        with artifacts.writing(path) as upload:
             if lab.trainer_processes:
-                rows, extra = _train_with_torchrun(
-                    context, lab, cfg, store, k, str(parent_path), str(folder), meta, behaviour_step
+                rows, extra, _ = _train_with_torchrun(
+                    context, lab, cfg, store, k, str(parent_path), str(upload.folder), meta, behaviour_step
                 )
             else:
                 rows, retokenized = _train_in_process(
-                    context, lab, cfg, tables, k, parent_path, folder, meta, reference, behaviour_step
+                    context, lab, cfg, tables, k, parent_path, upload.folder, meta, reference, behaviour_step
                 )
+        path = upload.uri
     register_checkpoint(
         tables,
         checkpoint_id=ckpt_id,
@@ -254,12 +257,13 @@ def _train_with_torchrun(  # noqa: PLR0913
     out: str,
     meta: dict,
     behaviour_step: int,
-) -> tuple[list[dict], dict]:
+) -> tuple[list[dict], dict, str]:
     """S steps data-parallel in `lab.trainer_processes` torchrun processes launched through Dagster
     Pipes: here (PipesSubprocessClient, from the repository root) or, with `lab.trainer_image`,
     in a Kubernetes pod with that many GPUs (PipesK8sClient), which reads the tables and the
     parent and writes `out` on the object store itself. Rank 0 writes the checkpoint and reports
-    the step rows. pi_k stays inside the processes: `policy_logprobs` keeps no rows for the round."""
+    the step rows and where it wrote (on S3 a new version below `out`), returned with the rows.
+    pi_k stays inside the processes: `policy_logprobs` keeps no rows for the round."""
     if cfg.tokens != "recorded" or cfg.qat or cfg.estimator.type == "ref_is":
         raise Failure(
             description="trainer_processes > 0 trains recorded tokens without QAT, with any estimator "
@@ -267,10 +271,17 @@ def _train_with_torchrun(  # noqa: PLR0913
         )
     tables_uri = store.tables().root
     in_pod = bool(lab.trainer_image)
-    if in_pod and not (is_remote(tables_uri) and is_remote(out)):
+    if in_pod and not all(is_remote(uri) for uri in (tables_uri, parent, out)):
         raise Failure(
             description="a trainer pod (lab.trainer_image) reads and writes object storage only: set "
-            "store.tables_uri and store.artifacts_uri to s3:// URIs"
+            "store.tables_uri and store.artifacts_uri to s3:// URIs (and train the parent there)"
+        )
+    secrets = sorted(k for k in store.storage_options if k.upper() in SECRET_OPTIONS)
+    if in_pod and secrets:
+        raise Failure(
+            description=f"the storage options hold {', '.join(secrets)}, which would be written into the "
+            "trainer pod's spec: put them in a Kubernetes Secret named by lab.trainer_secret, or give "
+            "the pod a service account with access"
         )
     local = lambda uri: uri if is_remote(uri) else str(Path(uri).resolve())  # noqa: E731
     args = [
@@ -290,7 +301,7 @@ def _train_with_torchrun(  # noqa: PLR0913
                 command=["python", *torchrun, "-m", "resources.pipes_train", *args],
                 namespace=lab.trainer_namespace or None,
                 env=env,
-                base_pod_spec=trainer_pod_spec(lab.trainer_processes),
+                base_pod_spec=trainer_pod_spec(lab.trainer_processes, lab.trainer_secret),
             )
         else:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -310,28 +321,31 @@ def _train_with_torchrun(  # noqa: PLR0913
         for r in results
         for key, value in (r.metadata or {}).items()
     }
-    rows = reported.pop("step_rows")
+    rows, written = reported.pop("step_rows"), reported.pop("checkpoint_uri")
     for row in rows:
         _progress(context, k, row)
-    return rows, {
+    extra = {
         "trainer_processes": lab.trainer_processes,
         **({"trainer_image": lab.trainer_image} if in_pod else {}),
         **{f"pipes_{key}": v for key, v in reported.items()},
     }
+    return rows, extra, written
 
 
-def trainer_pod_spec(gpus: int) -> dict:
+def trainer_pod_spec(gpus: int, secret: str = "") -> dict:
     """The trainer pod: `gpus` GPUs for its first container (one torchrun process each), a
-    memory-backed /dev/shm (NCCL and the data loader need more than the default 64 MiB), no restart."""
+    memory-backed /dev/shm (NCCL needs more than the default 64 MiB), the keys of Secret `secret`
+    as environment variables, no restart."""
+    container = {
+        "name": "trainer",
+        "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+        "volume_mounts": [{"name": "shm", "mount_path": "/dev/shm"}],
+    }
+    if secret:
+        container["env_from"] = [{"secret_ref": {"name": secret}}]
     return {
         "restart_policy": "Never",
-        "containers": [
-            {
-                "name": "trainer",
-                "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
-                "volume_mounts": [{"name": "shm", "mount_path": "/dev/shm"}],
-            }
-        ],
+        "containers": [container],
         "volumes": [{"name": "shm", "empty_dir": {"medium": "Memory"}}],
     }
 

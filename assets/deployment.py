@@ -17,12 +17,16 @@ from assets.checkpoint import checkpoint
 from assets.evaluation import evaluate_deployment
 from assets.partitions import merged, ordered_keys, round_number, rounds
 from prodrl_pipeline.artifacts import Artifacts
-from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import Request, TorchEngine
-from prodrl_pipeline.engine.vllm_server import golden_check, greedy_tokens, reload
+from prodrl_pipeline.engine.vllm_server import (
+    golden_check,
+    model_logprobs,
+    served_logprobs,
+    swap,
+    weight_label,
+)
 from prodrl_pipeline.evals.gate import deploy_gate
 from prodrl_pipeline.evals.heldout import solve_rate
-from prodrl_pipeline.quant.nvfp4 import export_deployment, weight_error
+from prodrl_pipeline.quant.nvfp4 import export_deployment, load_deployment, weight_error
 from prodrl_pipeline.records.queries import stored_results
 from prodrl_pipeline.records.registry import lookup, register_deployment, round_id
 from prodrl_pipeline.rl.checkpoint import load_checkpoint
@@ -31,7 +35,7 @@ from resources.lab import LabResource
 from resources.store import StoreResource
 
 CALIBRATION_CALLS = 16
-GOLDEN_PROMPTS, GOLDEN_TOKENS = 8, 8
+GOLDEN_CALLS = 8  # recorded calls whose completions the vLLM swap check scores
 
 
 @asset(
@@ -55,36 +59,29 @@ def deployment(context: AssetExecutionContext, store: StoreResource, lab: LabRes
     return merged([_deployment_round(context, key, store, lab) for key in ordered_keys(context)])
 
 
-def _reload_vllm(  # noqa: PLR0913
+def _swap_vllm(  # noqa: PLR0913
     context: AssetExecutionContext,
     lab: LabResource,
     artifacts: Artifacts,
-    dep_id: str,
-    path: str,
+    new: dict,
     live: dict,
-    prompts: list[list[int]],
+    golden: list[tuple[list[int], list[int]]],
 ) -> None:
-    """Reload the vLLM server with the new export, tagged `dep_id`, and check golden prompts
-    against the embedded engine on the same export; on failure the live export goes back."""
-    golden = prompts[:GOLDEN_PROMPTS]
-    new_path, old_path = artifacts.local(path), artifacts.local(live["path"])
-    new, old = (_greedy(lab.engine(p), golden) for p in (new_path, old_path))
-    reload(lab.vllm_url, new_path, dep_id)
-    passed, reason = golden_check(
-        greedy_tokens(lab.vllm_url, lab.vllm_model, golden, GOLDEN_TOKENS), new, old
-    )
-    context.log.info(f"vLLM at {lab.vllm_url} reloaded with {dep_id}: {reason}")
+    """Serve the `new` deployment row on the vLLM server in place of `live`, tagged with its label,
+    and check that the served log-probs of the golden continuations are the new export's; on
+    failure `live` is served again and the step fails."""
+    new_path, old_path = artifacts.local(new["path"]), artifacts.local(live["path"])
+    expected = [model_logprobs(load_deployment(p), golden) for p in (new_path, old_path)]
+    previous = (old_path, weight_label(live))
+    swap(lab.vllm_url, new_path, weight_label(new), previous)
+    passed, reason = golden_check(served_logprobs(lab.vllm_url, lab.vllm_model, golden), *expected)
+    context.log.info(f"vLLM at {lab.vllm_url} serves {new['deployment_id']}: {reason}")
     if not passed:
-        reload(lab.vllm_url, old_path, live["deployment_id"])
+        swap(lab.vllm_url, *previous)
         raise Failure(
-            f"vLLM does not serve {dep_id}'s weights after the reload ({reason}); "
+            f"vLLM does not serve {new['deployment_id']}'s weights after the swap ({reason}); "
             f"it serves {live['deployment_id']} again"
         )
-
-
-def _greedy(engine: TorchEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=GOLDEN_TOKENS)
-    return [c.token_ids for c in engine.generate([Request(p, params) for p in prompts])]
 
 
 def _deployment_round(
@@ -96,7 +93,6 @@ def _deployment_round(
     artifacts = store.artifacts()
     model, _, _ = load_checkpoint(artifacts.local(ckpt["path"]))
     dep_id = round_id(lab.experiment, k)
-    path = artifacts.uri("deployments", lab.experiment, key)
     calls = tables.read("calls", k).slice(0, CALIBRATION_CALLS)  # activation scales from real traffic
     calibration = [
         p + c
@@ -104,10 +100,11 @@ def _deployment_round(
             calls["prompt_token_ids"].to_pylist(), calls["completion_token_ids"].to_pylist(), strict=True
         )
     ]
-    with artifacts.writing(path) as folder:
-        export_deployment(model, folder, lab.quant_format, calibration)
-        export_bytes = sum(f.stat().st_size for f in folder.iterdir())
-        rel_error = weight_error(model, folder)
+    with artifacts.writing(artifacts.uri("deployments", lab.experiment, key)) as upload:
+        export_deployment(model, upload.folder, lab.quant_format, calibration)
+        export_bytes = sum(f.stat().st_size for f in upload.folder.iterdir())
+        rel_error = weight_error(model, upload.folder)
+    path = upload.uri
     register_deployment(
         tables,
         deployment_id=dep_id,
@@ -140,19 +137,15 @@ def _deployment_round(
     )
     serving = lab.vllm_url and decide(live)
     if serving:  # the engine serves the new weights before the pointer names them
-        _reload_vllm(
-            context,
-            lab,
-            artifacts,
-            dep_id,
-            path,
-            live,
-            [list(p) for p in calls["prompt_token_ids"].to_pylist()],
+        golden = list(
+            zip(calls["prompt_token_ids"].to_pylist(), calls["completion_token_ids"].to_pylist(), strict=True)
         )
+        new = lookup(tables, "deployments", "deployment_id", dep_id)
+        _swap_vllm(context, lab, artifacts, new, live, golden[:GOLDEN_CALLS])
     moved = tables.move_live(dep_id, decide)  # decided on the live row read in the same commit
     if serving and not moved:  # live moved under this run: the engine serves what is live now
         now = tables.live_deployment()
-        reload(lab.vllm_url, artifacts.local(now["path"]), now["deployment_id"])
+        swap(lab.vllm_url, artifacts.local(now["path"]), weight_label(now))
     context.log.info(f"round {k}: {gate.reason()}; live is {tables.live_deployment()['deployment_id']}")
     return MaterializeResult(
         metadata={

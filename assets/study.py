@@ -30,7 +30,7 @@ from assets.study_report import study_report
 from prodrl_pipeline.evals.study import CONFIGS, STUDY_DEFAULTS, StudyConfig, run_order
 from prodrl_pipeline.evals.study_report import study_store
 from prodrl_pipeline.records.queries import stored_results
-from prodrl_pipeline.records.registry import BASE, round_id
+from prodrl_pipeline.records.registry import BASE, lookup, round_id
 from prodrl_pipeline.records.store import DeltaStore
 from resources.lab import EstimatorSettings, LabResource
 from resources.store import StoreResource
@@ -94,8 +94,8 @@ def study_base(instance: DagsterInstance, root: Path, defaults: Mapping[str, obj
     ).success
     tmp = root / "base_model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    artifacts = store.artifacts()
-    shutil.copytree(artifacts.local(artifacts.uri("checkpoints", BASE)), tmp)
+    base = lookup(store.tables(), "checkpoints", "checkpoint_id", BASE)
+    shutil.copytree(store.artifacts().local(base["path"]), tmp)
     lab.tokenizer().save_pretrained(tmp)
     (tmp / "study_defaults.json").write_text(settings)
     tmp.rename(out)

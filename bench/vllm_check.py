@@ -38,11 +38,12 @@ def main() -> None:
         root = Path(tmp)
         live_root(root, model, "none")  # full-precision export (tied lm_head), registered live
         export = root / "deployments" / "base"
-        tok.save_pretrained(export)  # vLLM reads the tokenizer from the model folder
         store = DeltaStore(root / "tables")
         port = free_port()
         extra = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--max-model-len", "1024"]
-        server = VLLMServer(serve_command(export, port, extra=extra), root / "vllm.log").start(timeout=420)
+        server = VLLMServer(
+            serve_command(export, "data/tokenizer", port, extra=extra), root / "vllm.log"
+        ).start(timeout=420)
         try:
             gw = GatewayProcess(
                 root,

@@ -1,11 +1,13 @@
 """Checkpoint and deployment folders under one root: a local folder or an object store (s3://).
 
-A folder is written whole into a local staging folder and uploaded before the caller registers
-it, so no registry row names a folder that was never complete. Readers get a local copy: a local
-URI is its own copy; an s3:// folder is downloaded once into the cache, keyed by its URI and the
-upload id written with it (a re-run that rewrites the folder gets a fresh copy).
-S3 credentials and endpoint come from the same storage options the Delta tables use
-(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL).
+On S3 every write is a new immutable folder: `writing(uri)` stages the files locally, uploads them
+under `<uri>/<upload id>/` and then, last, a manifest of their names and sizes; the caller
+registers that versioned URI once the write is over. A folder without its manifest is incomplete
+and cannot be read, so no registry row names a partial folder, and a re-run never touches the
+folder an earlier row names. Readers get a local copy: a local folder is its own copy; an S3 folder
+is downloaded once into the cache (its files checked against the manifest). Locally a folder is
+written in place, as before. S3 credentials and endpoint come from the storage options the Delta
+tables use (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL).
 """
 
 from __future__ import annotations
@@ -18,12 +20,20 @@ import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 from pyarrow import fs
 
 S3 = "s3://"
 COMPLETE = ".complete"  # marks a finished download in the cache
-UPLOAD_ID = ".upload-id"  # written with every upload: which version of the folder this is
+MANIFEST = ".manifest.json"  # uploaded last: the folder's files and sizes
+
+
+class Upload(NamedTuple):
+    folder: Path
+    """Where to write the files."""
+    uri: str
+    """What to register once the write is over (versioned on S3)."""
 
 
 def is_remote(uri: str) -> bool:
@@ -42,8 +52,8 @@ def s3_filesystem(storage_options: Mapping[str, str]) -> fs.S3FileSystem:
         "region": o.get("AWS_REGION") or o.get("AWS_DEFAULT_REGION"),
     }
     if endpoint := o.get("AWS_ENDPOINT_URL") or o.get("AWS_ENDPOINT"):
-        scheme, _, host = endpoint.partition("://")
-        kwargs |= {"scheme": scheme, "endpoint_override": host.rstrip("/")}
+        scheme, _, host = endpoint.rpartition("://")
+        kwargs |= {"scheme": scheme or "https", "endpoint_override": host.rstrip("/")}
     return fs.S3FileSystem(**{k: v for k, v in kwargs.items() if v})
 
 
@@ -63,44 +73,52 @@ class Artifacts:
         return "/".join([self.root, *parts])
 
     @contextmanager
-    def writing(self, uri: str) -> Iterator[Path]:
-        """A local folder to write `uri` into; on a clean exit an s3:// folder's previous files are
-        removed and the new ones uploaded. A local URI is written in place."""
+    def writing(self, uri: str) -> Iterator[Upload]:
+        """Where to write the folder `uri`, and what to register after a clean exit: the folder
+        itself locally (written in place), or on S3 `<uri>/<upload id>`, uploaded on exit."""
         if not is_remote(uri):
             Path(uri).mkdir(parents=True, exist_ok=True)
-            yield Path(uri)
+            yield Upload(Path(uri), uri)
             return
+        final = f"{uri.rstrip('/')}/{uuid.uuid4().hex}"
         with tempfile.TemporaryDirectory(prefix="prodrl-upload-") as staging:
-            yield Path(staging)
-            (Path(staging) / UPLOAD_ID).write_text(uuid.uuid4().hex)
-            target = uri.removeprefix(S3)
-            s3 = self._client()
-            s3.delete_dir_contents(target, missing_dir_ok=True)
+            yield Upload(Path(staging), final)
+            files = {
+                str(f.relative_to(staging)): f.stat().st_size
+                for f in sorted(Path(staging).rglob("*"))
+                if f.is_file()
+            }
+            s3, target = self._client(), final.removeprefix(S3)
             fs.copy_files(staging, target, source_filesystem=fs.LocalFileSystem(), destination_filesystem=s3)
+            with s3.open_output_stream(f"{target}/{MANIFEST}") as out:
+                out.write(json.dumps({"files": files}).encode())
 
     def local(self, uri: str) -> Path:
-        """A local folder holding `uri`'s files (downloaded into the cache once per version)."""
+        """A local folder holding `uri`'s files (an S3 folder downloaded into the cache once)."""
         if not is_remote(uri):
             return Path(uri)
-        s3, source = self._client(), uri.removeprefix(S3)
-        infos = s3.get_file_info(fs.FileSelector(source, recursive=True, allow_not_found=True))
-        files = sorted((i.path, i.size, str(i.mtime)) for i in infos if i.type == fs.FileType.File)
-        if not files:
-            raise FileNotFoundError(f"{uri}: no such folder (or it is empty)")
-        marker = f"{source.rstrip('/')}/{UPLOAD_ID}"
-        if any(f[0] == marker for f in files):
-            with s3.open_input_stream(marker) as f:
-                files = [(marker, f.read().decode())]
-        key = hashlib.sha256(repr((uri, files)).encode()).hexdigest()[:24]
-        folder = self.cache / key
+        s3, source = self._client(), uri.removeprefix(S3).rstrip("/")
+        try:
+            with s3.open_input_stream(f"{source}/{MANIFEST}") as f:
+                files = json.loads(f.read())["files"]
+        except (FileNotFoundError, OSError) as e:
+            raise FileNotFoundError(f"{uri}: no such folder, or its upload never completed") from e
+        folder = self.cache / hashlib.sha256(uri.encode()).hexdigest()[:24]
         if (folder / COMPLETE).exists():
             return folder
         self.cache.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=self.cache))
+        staging = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=self.cache))
         try:
-            fs.copy_files(
-                source, str(staging), source_filesystem=s3, destination_filesystem=fs.LocalFileSystem()
-            )
+            for name, size in files.items():
+                if Path(name).is_absolute() or ".." in Path(name).parts:
+                    raise ValueError(f"{uri}: its manifest names {name!r}, outside the folder")
+                (staging / name).parent.mkdir(parents=True, exist_ok=True)
+                fs.copy_files(f"{source}/{name}", str(staging / name), source_filesystem=s3,
+                              destination_filesystem=fs.LocalFileSystem())  # fmt: skip
+                if (staging / name).stat().st_size != size:
+                    raise OSError(
+                        f"{uri}/{name}: {(staging / name).stat().st_size} bytes, the manifest says {size}"
+                    )
             (staging / COMPLETE).touch()
             staging.rename(folder)
         except OSError:

@@ -125,6 +125,9 @@ class LabResource(ConfigurableResource):
     Tables and artifacts must then be on object storage. Empty: local processes."""
     trainer_namespace: str = ""
     """The trainer pod's namespace (empty: the current one, else "default")."""
+    trainer_secret: str = ""
+    """A Kubernetes Secret whose keys become the trainer pod's environment (e.g. AWS_ACCESS_KEY_ID,
+    AWS_SECRET_ACCESS_KEY): secret storage options are never written into the pod spec."""
     trainer_device: str = "cpu"
     """Where the in-process trainer runs: "cpu" or a torch device such as "cuda"."""
     vllm_url: str = ""
@@ -164,6 +167,8 @@ class LabResource(ConfigurableResource):
     def trainer(self, estimator: EstimatorSettings | None = None) -> TrainerConfig:
         if self.qat and self.quant_format != "nvfp4":
             raise ValueError(f"qat trains for NVFP4 deployments; quant_format is {self.quant_format!r}")
+        if self.trainer_image and self.trainer_processes < 1:
+            raise ValueError("trainer_image runs torchrun in a pod: set trainer_processes (its GPUs) >= 1")
         return TrainerConfig(
             steps=self.steps,
             batch_size=self.batch_size,

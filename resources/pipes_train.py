@@ -11,7 +11,7 @@ from prodrl_pipeline.rl.train_distributed import run
 
 
 def main() -> None:
-    rows, rank = run()
+    rows, rank, written = run()
     if rank == 0:
         with open_dagster_pipes() as pipes:
             pipes.log.info(f"trained {len(rows)} steps to global step {rows[-1]['step']}")
@@ -21,6 +21,7 @@ def main() -> None:
                     "loss_last_step": rows[-1]["loss"],
                     "grad_norm_last_step": rows[-1]["grad_norm"],
                     "step_rows": {"raw_value": rows, "type": "json"},  # the asset's train_steps rows
+                    "checkpoint_uri": written,  # on S3 the version below --out that was uploaded
                 }
             )
 

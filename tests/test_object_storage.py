@@ -91,9 +91,9 @@ def test_a_round_runs_on_s3_and_postgres_with_torchrun_training(tmp_path, s3):
     assert tables.live_deployment()["deployment_id"] == "main-r000001"
     ckpt = lookup(tables, "checkpoints", "checkpoint_id", "main-r000001")
     dep = lookup(tables, "deployments", "deployment_id", "main-r000001")
-    assert ckpt["path"] == f"s3://{BUCKET}/artifacts/checkpoints/main/r000001"
-    assert dep["path"] == f"s3://{BUCKET}/artifacts/deployments/main/r000001"
-    listed = _client(s3).list_objects_v2(Bucket=BUCKET, Prefix="artifacts/deployments/main/r000001/")
+    assert ckpt["path"].startswith(f"s3://{BUCKET}/artifacts/checkpoints/main/r000001/")
+    assert dep["path"].startswith(f"s3://{BUCKET}/artifacts/deployments/main/r000001/")
+    listed = _client(s3).list_objects_v2(Bucket=BUCKET, Prefix=dep["path"].removeprefix(f"s3://{BUCKET}/"))
     assert {o["Key"].rsplit("/", 1)[1] for o in listed["Contents"]} >= {
         "model.safetensors",
         "hf_quant_config.json",
@@ -114,28 +114,34 @@ def test_a_round_runs_on_s3_and_postgres_with_torchrun_training(tmp_path, s3):
     assert tables.live_deployment()["deployment_id"] == "base"
 
 
-def test_artifacts_upload_whole_folders_and_readers_see_each_version(tmp_path, s3):
+def test_artifacts_are_immutable_versions_readable_once_complete(tmp_path, s3):
     artifacts = Artifacts(f"s3://{BUCKET}/a", s3, tmp_path / "cache")
     uri = artifacts.uri("checkpoints", "r1")
     assert uri == f"s3://{BUCKET}/a/checkpoints/r1"
-    with pytest.raises(FileNotFoundError, match="no such folder"):
-        artifacts.local(uri)
-    with pytest.raises(RuntimeError, match="interrupted"), artifacts.writing(uri) as folder:
-        (folder / "weights").write_text("partial")
+    with pytest.raises(RuntimeError, match="interrupted"), artifacts.writing(uri) as upload:
+        (upload.folder / "weights").write_text("partial")
         raise RuntimeError("interrupted")
-    with pytest.raises(FileNotFoundError):  # a failed write uploads nothing
-        artifacts.local(uri)
-    with artifacts.writing(uri) as folder:
-        (folder / "weights").write_text("v1")
-        (folder / "old").write_text("only in v1")
-    first = artifacts.local(uri)
-    assert (first / "weights").read_text() == "v1" and artifacts.local(uri) == first
-    with artifacts.writing(uri) as folder:  # a re-run rewrites the folder whole, at once
-        (folder / "weights").write_text("v2")
-    second = artifacts.local(uri)
-    assert second != first and (second / "weights").read_text() == "v2" and not (second / "old").exists()
-    with artifacts.writing(uri) as folder:  # same files, same sizes, within a second: the upload id tells
-        (folder / "weights").write_text("v3")
-    assert (artifacts.local(uri) / "weights").read_text() == "v3"
+    assert "Contents" not in _client(s3).list_objects_v2(Bucket=BUCKET, Prefix="a/")  # nothing uploaded
+    with artifacts.writing(uri) as first:
+        (first.folder / "weights").write_text("v1")
+        (first.folder / "sub").mkdir()
+        (first.folder / "sub" / "more").write_text("nested")
+    assert first.uri.startswith(uri + "/") and first.uri != uri
+    copy = artifacts.local(first.uri)
+    assert (copy / "weights").read_text() == "v1" and (copy / "sub" / "more").read_text() == "nested"
+    assert artifacts.local(first.uri) == copy  # downloaded once
+    with artifacts.writing(uri) as second:  # a re-run writes a new version beside the first
+        (second.folder / "weights").write_text("v2")
+    assert (artifacts.local(second.uri) / "weights").read_text() == "v2"
+    assert (
+        Artifacts(f"s3://{BUCKET}/a", s3, tmp_path / "fresh").local(first.uri) / "weights"
+    ).read_text() == "v1"
+    client, key = _client(s3), second.uri.removeprefix(f"s3://{BUCKET}/")
+    client.delete_object(Bucket=BUCKET, Key=f"{key}/.manifest.json")  # as if the upload had stopped there
+    with pytest.raises(FileNotFoundError, match="never completed"):
+        Artifacts(f"s3://{BUCKET}/a", s3, tmp_path / "other").local(second.uri)
+    client.put_object(Bucket=BUCKET, Key=f"{key}/.manifest.json", Body=b'{"files": {"../../escape": 2}}')
+    with pytest.raises(ValueError, match="outside the folder"):  # a hostile manifest
+        Artifacts(f"s3://{BUCKET}/a", s3, tmp_path / "third").local(second.uri)
     with pytest.raises(ValueError, match="only local folders and s3://"):
         Artifacts("gs://bucket/prefix")

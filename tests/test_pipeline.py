@@ -377,6 +377,8 @@ def test_a_trainer_pod_needs_object_storage_and_gets_its_gpus(tmp_path):
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     assert failure.step_key == "checkpoint"
     assert "object storage only" in failure.event_specific_data.error.message  # before any pod starts
-    spec = trainer_pod_spec(4)
+    spec = trainer_pod_spec(4, "prodrl-s3")
     assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert spec["containers"][0]["env_from"] == [{"secret_ref": {"name": "prodrl-s3"}}]
     assert spec["volumes"][0]["empty_dir"]["medium"] == "Memory"
+    assert "env_from" not in trainer_pod_spec(1)["containers"][0]

@@ -71,6 +71,13 @@ class ChoiceConstraint:
     def start(self) -> TrieState:
         return TrieState(self.root)
 
+    @property
+    def structured_outputs(self) -> dict:
+        """The same constraint for vLLM's guidance backend: a Lark grammar of token-id references
+        (`<[id]>`), so vLLM enforces exactly these token sequences, special tokens included."""
+        alternatives = (" ".join(f"<[{t}]>" for t in seq) for seq in self.sequences)
+        return {"grammar": "start: " + " | ".join(alternatives)}
+
 
 class TrieState:
     """A position in a `ChoiceConstraint`'s trie."""

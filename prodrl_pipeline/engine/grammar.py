@@ -36,8 +36,16 @@ def _ll_tokenizer(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> llguidance
 class GrammarConstraint:
     """Completions matching an llguidance grammar, then the end-of-turn id."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, grammar: str, eos_id: int):
-        self.eos_id, self.n_vocab, self.grammar = eos_id, len(tokenizer), grammar
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        grammar: str,
+        eos_id: int,
+        structured_outputs: dict | None = None,
+    ):
+        self.eos_id, self.n_vocab = eos_id, len(tokenizer)
+        self.structured_outputs = structured_outputs
+        """The same constraint as vLLM's `structured_outputs` request field (None: no such form)."""
         self.fresh = llguidance.LLMatcher(_ll_tokenizer(tokenizer, eos_id), grammar, log_level=0)
         if self.fresh.is_error():  # compiled once here; each completion starts from a copy
             raise ValueError(f"the grammar cannot be enforced: {_short(self.fresh.get_error())}")
@@ -55,7 +63,7 @@ class GrammarConstraint:
         """JSON text matching `schema`; None: any JSON object (OpenAI's `json_object`). Compiled
         schemas are cached (a client repeats its schema on every call)."""
         text = json.dumps({"type": "object"} if schema is None else schema, sort_keys=True)
-        return _json_constraint(tokenizer, eos_id, text)
+        return _json_constraint(tokenizer, eos_id, text)  # vLLM: {"json": schema}, the same grammar
 
     def start(self) -> GrammarState:
         return GrammarState(self.fresh.deep_copy(), self.eos_id, self.n_vocab)
@@ -67,7 +75,7 @@ def _json_constraint(tokenizer: PreTrainedTokenizerBase, eos_id: int, schema: st
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
     except ValueError as e:
         raise ValueError(f"the JSON schema cannot be enforced: {_short(str(e))}") from e
-    return GrammarConstraint(tokenizer, grammar, eos_id)
+    return GrammarConstraint(tokenizer, grammar, eos_id, {"json": json.loads(schema)})
 
 
 def _short(error: str) -> str:

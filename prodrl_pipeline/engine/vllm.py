@@ -17,15 +17,17 @@ A top-p support that may be larger than the K + 1 entries cannot be recorded: su
 refused before they are sent. vLLM 0.33 returns the kept support itself (`sampling_mask`) only on
 its token-in/token-out endpoint (/inference/v1/generate), which this client does not use yet.
 
-Structured outputs go to vLLM as `structured_outputs`: a choice constraint as the decoded texts of
-its sequences (`choice`), a grammar as its llguidance grammar (`grammar`; the server needs
-`--structured-outputs-config '{"backend": "guidance"}'`). The returned ids are checked against the
-constraint, and every finite log-prob must be an allowed id: a completion vLLM tokenized or masked
-differently is refused, never recorded.
+Structured outputs go to vLLM as the constraint's own `structured_outputs` form: a choice as a Lark
+grammar of token-id references, a JSON schema as `json` (the server runs the `guidance` backend,
+llguidance, the library the gateway's constraints use). The client steps its own copy of the
+constraint through the returned ids and checks each step's log-probs against it: the sampled id
+must be allowed, every finite entry must be allowed, no allowed id may be listed as filtered, and
+an allowed set that fits in the K + 1 entries must be exactly the finite ones. A completion vLLM
+tokenized or masked differently is refused, never recorded.
 
 `weight_version`, when set, is the version the server must report for every generated token
-(`weight_versions` in the response; set with /update_weight_version after a reload): a completion
-served by other weights is refused.
+(`weight_versions` in the response, token ranges; set by `vllm_server.reload`): a completion
+served, even partly, by other weights is refused.
 """
 
 from __future__ import annotations
@@ -33,10 +35,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from transformers import PreTrainedTokenizerBase
 
-from prodrl_pipeline.engine.constraints import ChoiceConstraint, Constraint
-from prodrl_pipeline.engine.grammar import GrammarConstraint
+from prodrl_pipeline.engine.constraints import Constraint
 from prodrl_pipeline.engine.sampler import Completion, Request
 
 FILTERED = -9999.0  # vLLM's serialization of -inf
@@ -52,15 +52,36 @@ def _token_id(token: str) -> int:
     return int(token.removeprefix("token_id:"))
 
 
-def structured_outputs(constraint: Constraint, tokenizer: PreTrainedTokenizerBase | None) -> dict:
+def structured_outputs(constraint: Constraint) -> dict:
     """The `structured_outputs` request field that makes vLLM enforce `constraint`."""
-    if isinstance(constraint, ChoiceConstraint):
-        if tokenizer is None:
-            raise NotImplementedError("a choice constraint through vLLM needs the engine's tokenizer")
-        return {"choice": [tokenizer.decode(s, skip_special_tokens=False) for s in constraint.sequences]}
-    if isinstance(constraint, GrammarConstraint):
-        return {"grammar": constraint.grammar}
-    raise NotImplementedError(f"{type(constraint).__name__} cannot be passed to vLLM")
+    form = getattr(constraint, "structured_outputs", None)
+    if form is None:
+        raise NotImplementedError(f"this {type(constraint).__name__} has no vLLM form")
+    return form
+
+
+def _versions_cover(spans: list[dict], version: str, n: int) -> bool:
+    """Whether `spans` (vLLM's weight_versions: version, start, end) give every one of the n
+    generated tokens the version `version`."""
+    covered = [False] * n
+    for span in spans:
+        if span["version"] != version:
+            return False
+        for i in range(max(0, span["start"]), min(n, span["end"])):
+            covered[i] = True
+    return all(covered)
+
+
+def _check_mask(allowed: list[int], entries: dict[int, float], finite: list, k: int, whole: bool) -> None:
+    """vLLM's listed log-probs agree with the constraint's allowed ids (ValueError otherwise);
+    `whole`: nothing but the constraint restricts sampling, so every allowed id is kept."""
+    allowed_set, listed = set(allowed), {i for _, i in finite}
+    if not listed <= allowed_set:
+        raise ValueError("vLLM's log-probs put mass outside the constraint: not recorded")
+    if whole and any(entries[i] <= FILTERED for i in entries if i in allowed_set):
+        raise ValueError("vLLM filtered an id the constraint allows (another mask): not recorded")
+    if whole and len(allowed_set) <= k + 1 and listed != allowed_set:
+        raise ValueError("vLLM's kept ids are not the constraint's allowed ids: not recorded")
 
 
 class VLLMEngine:
@@ -77,7 +98,6 @@ class VLLMEngine:
         api_key: str | None = None,
         timeout: float = 300.0,
         max_workers: int = 64,
-        tokenizer: PreTrainedTokenizerBase | None = None,
         weight_version: str | None = None,
     ):
         self.url, self.model, self.vocab_size, self.top_logprobs = (
@@ -86,7 +106,7 @@ class VLLMEngine:
             vocab_size,
             top_logprobs,
         )
-        self.tokenizer, self.weight_version = tokenizer, weight_version
+        self.weight_version = weight_version
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(
             timeout=timeout, headers=headers, limits=httpx.Limits(max_connections=max_workers)
@@ -127,7 +147,7 @@ class VLLMEngine:
             "return_weight_versions": True,
         }
         if req.constraint is not None:
-            body["structured_outputs"] = structured_outputs(req.constraint, self.tokenizer)
+            body["structured_outputs"] = structured_outputs(req.constraint)
         return body
 
     def _topk_restricts(self, top_k: int) -> bool:
@@ -135,11 +155,14 @@ class VLLMEngine:
 
     def completion(self, req: Request, choice: dict) -> Completion:
         """The recorded completion from one response choice, checked against the request."""
-        versions = {v["version"] for v in choice.get("weight_versions") or []}
-        if self.weight_version is not None and versions != {self.weight_version}:
+        spans = choice.get("weight_versions") or []
+        if self.weight_version is not None and not _versions_cover(
+            spans, self.weight_version, len(choice["token_ids"])
+        ):
+            versions = sorted({v["version"] for v in spans}) or "unreported"
             raise WeightVersionError(
-                f"vLLM generated with weight version(s) {sorted(versions) or 'unreported'}, "
-                f"expected {self.weight_version}: the call is not recorded"
+                f"vLLM generated with weight version(s) {versions}, expected {self.weight_version} "
+                "for every token: the call is not recorded"
             )
         p, k = req.params, self.top_logprobs
         greedy = p.temperature == 0
@@ -149,13 +172,16 @@ class VLLMEngine:
         for t, tok in enumerate(choice["token_ids"]):
             entries = {_token_id(s): lp for s, lp in (choice["logprobs"]["top_logprobs"][t] or {}).items()}
             finite = sorted(((lp, i) for i, lp in entries.items() if lp > FILTERED), reverse=True)
+            if not greedy and not FILTERED < choice["logprobs"]["token_logprobs"][t] <= 0:
+                raise ValueError(
+                    f"vLLM gave the sampled token a log-prob outside (-inf, 0] at {t}: not recorded"
+                )
             allowed = None
             if state is not None:
                 if state.finished:
                     break  # the end-of-turn id vLLM appends after a finished constraint
                 allowed = state.allowed()
-                if not {i for _, i in finite} <= set(allowed):
-                    raise ValueError("vLLM's log-probs put mass outside the constraint: not recorded")
+                _check_mask(allowed, entries, finite, k, whole=not sampling_restricted)
                 state.advance(tok)  # ValueError: vLLM produced ids the constraint does not allow
             if greedy:
                 head, logprob, support = [(0.0, tok)], 0.0, [tok]

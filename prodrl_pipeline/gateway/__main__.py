@@ -22,6 +22,7 @@ from transformers import AutoConfig, PreTrainedTokenizerBase
 from prodrl_pipeline.artifacts import Artifacts, storage_options_from_environment
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.engine.vllm import VLLMEngine
+from prodrl_pipeline.engine.vllm_server import served_label, swap, weight_label
 from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.gateway.app import create_app
 from prodrl_pipeline.gateway.batcher import BatchingEngine
@@ -76,19 +77,18 @@ def vllm_loader(
     args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, artifacts: Artifacts
 ) -> Callable[[dict], Loaded]:
     """A registry row's deployment as served by the vLLM server at --vllm-url. With --vllm-follow
-    that server is reloaded in place for each deployment and tags its output with the deployment
-    id (the `deployment` asset does both): every completion must carry that tag, and the smoke
-    check confirms it before the gateway switches."""
+    that server is swapped in place for each deployment and tags its output with the deployment's
+    label (the `deployment` asset does both; `vllm_server.weight_label`): every completion must
+    carry that label, and the smoke check confirms it before the gateway switches."""
 
     def load(row: dict) -> Loaded:
         config = AutoConfig.from_pretrained(artifacts.local(row["path"]))
         engine = VLLMEngine(
             args.vllm_url,
-            args.vllm_model or ("prodrl" if args.vllm_follow else row["path"]),
+            args.vllm_model,
             config.vocab_size,
             args.top_logprobs,
-            tokenizer=tokenizer,
-            weight_version=row["deployment_id"] if args.vllm_follow else None,
+            weight_version=weight_label(row) if args.vllm_follow else None,
         )
         batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
         loaded = Loaded(row["deployment_id"], batcher, config.max_position_embeddings)
@@ -114,6 +114,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             f"no live deployment under {args.root}: run `make demo` (or name one with --deployment)"
         )
     tokenizer = load_tokenizer(args.tokenizer)
+    if args.engine == "vllm" and args.vllm_follow and served_label(args.vllm_url) != weight_label(deployment):
+        swap(args.vllm_url, artifacts.local(deployment["path"]), weight_label(deployment))  # a fresh server
     load = (vllm_loader if args.engine == "vllm" else embedded_loader)(args, tokenizer, artifacts)
     first = load(deployment)
     keys = lambda name: tuple(k for k in os.environ.get(name, "").split(",") if k)  # noqa: E731
@@ -174,13 +176,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-url", default="http://127.0.0.1:8001", help="the vLLM server (--engine vllm)")
     p.add_argument(
         "--vllm-model",
-        help="model name the vLLM server serves (default: the deployment path; 'prodrl' with --vllm-follow)",
+        default="prodrl",
+        help="model name the vLLM server serves (its --served-model-name)",
     )
     p.add_argument(
         "--vllm-follow",
         action="store_true",
-        help="the vLLM server is reloaded in place per deployment (lab.vllm_url): follow the live "
-        "pointer and refuse completions not tagged with the serving deployment's id",
+        help="the vLLM server (dev mode) is swapped in place per deployment (lab.vllm_url): follow "
+        "the live pointer, refuse completions not tagged with the serving deployment's label, and "
+        "on start load the live deployment into the server if it serves another",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -53,8 +53,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(argv: list[str] | None = None) -> tuple[list[dict], int]:
-    """Train the round (collective); returns the per-step rows and this process's rank."""
+def run(argv: list[str] | None = None) -> tuple[list[dict], int, str | None]:
+    """Train the round (collective); returns the per-step rows, this process's rank and, on rank
+    0, where the checkpoint was written (on S3 a new version below --out)."""
     args = parser().parse_args(argv)
     dp = DataParallel.from_environment()
     try:
@@ -62,6 +63,9 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], int]:
         options = storage_options_from_environment(os.environ)
         store = DeltaStore(args.tables, storage_options=options)
         files = Artifacts(args.out, options)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one download per machine, into its cache
+            files.local(args.parent)
+        dist.barrier()
         parent = files.local(args.parent)
         advantages = store.read("advantages", args.round).to_pylist()
         trained = {a["trajectory_id"] for a in advantages}
@@ -80,13 +84,13 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], int]:
         )
         lineage = {key: meta.get(key) for key in LINEAGE_KEYS}
         out_meta = {**lineage, **json.loads(args.meta), "step": rows[-1]["step"], "data_parallel": dp.world}
-        with files.writing(args.out) if dp.rank == 0 else contextlib.nullcontext() as out:
-            save_consolidated(out, model, optimizer, out_meta, parent, dp)  # `out`: rank 0's only
+        with files.writing(args.out) if dp.rank == 0 else contextlib.nullcontext() as upload:
+            save_consolidated(upload and upload.folder, model, optimizer, out_meta, parent, dp)
         if dp.rank == 0 and args.rows:
             Path(args.rows).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
-    return rows, dp.rank
+    return rows, dp.rank, upload.uri if upload else None
 
 
 if __name__ == "__main__":

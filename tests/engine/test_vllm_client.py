@@ -2,16 +2,27 @@
 /v1/completions serializes them (docs/engines.md, "vLLM"), from distributions computed here by
 brute force on a tiny vocabulary: the recorded head, support and log-probs must be theirs."""
 
+import json
 import math
 
+import llguidance
+import numpy as np
 import pytest
 import torch
 
 from prodrl_pipeline.engine.constraints import ChoiceConstraint
+from prodrl_pipeline.engine.grammar import GrammarConstraint, _ll_tokenizer
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import Request
 from prodrl_pipeline.engine.vllm import FILTERED, VLLMEngine, WeightVersionError, structured_outputs
-from prodrl_pipeline.engine.vllm_server import agreement, golden_check, serve_command
+from prodrl_pipeline.engine.vllm_server import (
+    distance,
+    golden_check,
+    model_logprobs,
+    serve_command,
+    weight_label,
+)
+from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
 
 V, K = 12, 3
 
@@ -85,13 +96,41 @@ def test_recorded_head_and_support_are_the_processed_distributions(params):
         assert set(out.support_ids[t]) == (kept if listed else set())
 
 
-def test_a_choice_constraint_goes_to_vllm_as_texts_and_its_allowed_ids_are_the_support(tokenizer):
+def _walk(matcher: llguidance.LLMatcher, n_vocab: int, ids: list[int]) -> list[set[int]]:
+    """The ids llguidance allows before each of `ids`, consuming them."""
+    allowed = []
+    for t in ids:
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed.append(set(np.flatnonzero(bits[:n_vocab]).tolist()))
+        assert matcher.consume_token(t), matcher.get_error()
+    return allowed
+
+
+def test_constraints_reach_vllm_as_the_same_token_level_rules(tokenizer):
+    """What vLLM's guidance backend builds from the request's structured_outputs (llguidance's
+    grammar_from, as vLLM calls it) allows exactly the ids the gateway's constraint allows, along
+    the lab's move-tool calls (special tokens included)."""
+    eos = tokenizer.eos_token_id
+    constraint = tool_choice_constraint(tokenizer, "move", "move", ["e2e4", "g1f3", "e7e8q"])
+    form = structured_outputs(constraint)
+    ll = _ll_tokenizer(tokenizer, eos)
+    for seq in constraint.sequences:
+        matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("grammar", form["grammar"]), log_level=0)
+        state = constraint.start()
+        for t, vllm_allowed in zip(seq, _walk(matcher, len(tokenizer), list(seq)), strict=True):
+            assert vllm_allowed == set(state.allowed()), t
+            state.advance(t)
+    schema = {"type": "object", "properties": {"move": {"type": "string"}}, "required": ["move"]}
+    json_form = structured_outputs(GrammarConstraint.json(tokenizer, eos, schema))
+    assert json_form == {"json": schema}
+    assert llguidance.grammar_from("json", json.dumps(json_form["json"])) == (
+        llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema, sort_keys=True))
+    )  # vLLM compiles the schema into the grammar the gateway's constraint compiled
+
+
+def test_a_choice_constraint_records_its_allowed_ids_as_the_support():
     sequences = [[5, 6], [5, 7], [8, 9], [10, 11], [4, 3]]
     constraint = ChoiceConstraint(sequences)
-    body = _engine(tokenizer=tokenizer).request_body(Request([1], SamplingParams(), constraint), None)
-    assert body["structured_outputs"] == {
-        "choice": [tokenizer.decode(s, skip_special_tokens=False) for s in sequences]
-    }
     g = torch.Generator().manual_seed(1)
     first = _processed(torch.randn(V, generator=g), SamplingParams(), [4, 5, 8, 10])
     second = _processed(torch.randn(V, generator=g), SamplingParams(), [6, 7])
@@ -102,15 +141,20 @@ def test_a_choice_constraint_goes_to_vllm_as_texts_and_its_allowed_ids_are_the_s
     assert out.token_ids == [5, 7]
     assert out.support_size == [4, 2]
     assert sorted(out.support_ids[0]) == [4, 5, 8, 10] and out.support_ids[1] == []  # head K >= 2 covers it
-    with pytest.raises(ValueError, match="not allow|allowed"):  # vLLM produced a sequence outside the choice
-        _engine().completion(
-            Request([1], SamplingParams(), ChoiceConstraint(sequences)), _choice([first, second], [5, 9])
-        )
+    fresh = lambda: Request([1], SamplingParams(), ChoiceConstraint(sequences))  # noqa: E731
+    other = _processed(torch.randn(V, generator=g), SamplingParams(), [9])  # vLLM's rule forced 9
+    with pytest.raises(ValueError, match="outside the constraint"):  # vLLM produced a sequence outside it
+        _engine().completion(fresh(), _choice([first, other], [5, 9]))
     unmasked = _processed(torch.randn(V, generator=g), SamplingParams(), None)
     with pytest.raises(ValueError, match="outside the constraint"):  # log-probs without the mask
-        _engine().completion(
-            Request([1], SamplingParams(), ChoiceConstraint(sequences)), _choice([unmasked], [5])
-        )
+        _engine().completion(fresh(), _choice([unmasked], [5]))
+    narrower = _processed(torch.randn(V, generator=g), SamplingParams(), [5, 8])  # vLLM also dropped 4, 10
+    with pytest.raises(ValueError, match="filtered an id|not the constraint"):
+        _engine().completion(fresh(), _choice([narrower], [5]))
+    bad = _choice([first], [5])
+    bad["logprobs"]["token_logprobs"][0] = FILTERED
+    with pytest.raises(ValueError, match="outside"):
+        _engine().completion(fresh(), bad)
 
 
 def test_greedy_records_a_one_token_support():
@@ -126,13 +170,13 @@ def test_greedy_records_a_one_token_support():
     )
 
 
-def test_supports_the_head_cannot_cover_are_refused_before_sending():
+def test_supports_the_head_cannot_cover_are_refused_before_sending(tokenizer):
     with pytest.raises(ValueError, match="top_p < 1"):
         _engine().request_body(Request([1], SamplingParams(top_p=0.9)), None)
     with pytest.raises(ValueError, match="top_k"):
         _engine().request_body(Request([1], SamplingParams(top_k=K + 2)), None)
-    with pytest.raises(NotImplementedError, match="tokenizer"):
-        structured_outputs(ChoiceConstraint([[1]]), None)
+    with pytest.raises(NotImplementedError, match="no vLLM form"):
+        structured_outputs(GrammarConstraint(tokenizer, 'start: "a"', tokenizer.eos_token_id))
 
 
 def test_a_completion_from_other_weights_is_refused():
@@ -151,11 +195,21 @@ def test_a_completion_from_other_weights_is_refused():
         _engine(weight_version="v1").completion(req, mixed)
 
 
-def test_golden_check_and_the_recording_command():
-    new, old = [[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 9], [7, 7]]
-    assert agreement(new, new) == 1.0 and agreement(old, new) == pytest.approx((2 / 4 + 0) / 2)
-    assert golden_check(new, new, old)[0] and not golden_check(old, new, old)[0]
-    assert golden_check(new, new, new)[0]  # identical deployments: the version tag decides
-    cmd = serve_command("/exports/r1", 8001, top_logprobs=20)
+def test_golden_check_scores_log_probs_and_the_recording_command(tiny_model):
+    golden = [([1, 5, 9], [13, 2, 7]), ([3, 4], [4, 8])]
+    new = model_logprobs(tiny_model, golden)
+    full = tiny_model(input_ids=torch.tensor([[1, 5, 9, 13, 2, 7]])).logits[0].log_softmax(-1)
+    assert new[0] == pytest.approx([float(full[2, 13]), float(full[3, 2]), float(full[4, 7])], abs=1e-6)
+    old = [[x + 0.3 for x in xs] for xs in new]  # another export scores them 0.3 nats apart
+    served_new = [[x + 0.01 for x in xs] for xs in new]  # bf16 noise around the new weights
+    served_old = [[x - 0.01 for x in xs] for xs in old]
+    assert golden_check(served_new, new, old)[0] and not golden_check(served_old, new, old)[0]
+    assert golden_check(served_new, new, new)[0]  # exports that score alike cannot be told apart
+    assert distance(served_new, new) == pytest.approx(0.01)
+    a = weight_label({"deployment_id": "main-r000001", "path": "s3://b/deployments/main/r000001/v1"})
+    b = weight_label({"deployment_id": "main-r000001", "path": "s3://b/deployments/main/r000001/v2"})
+    assert a.startswith("main-r000001@") and a != b  # a re-run's export gets its own label
+    cmd = serve_command("/exports/r1", "data/tokenizer", 8001, top_logprobs=20)
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert cmd[cmd.index("--max-logprobs") + 1] == "21" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--tokenizer") + 1] == "data/tokenizer"
