@@ -27,6 +27,16 @@ def test_equal_or_noisy_candidates_pass():
     assert deploy_gate(noisy, live, margin=0.02).passed
 
 
+def test_the_gate_decides_on_its_bound_not_its_point_estimate():
+    live = _rows([1] * 30)
+    one_lost = _rows([1] * 29 + [0])  # d = -0.033, below -margin, but 30 puzzles cannot show it
+    r = deploy_gate(one_lost, live, margin=0.02, confidence=0.95)
+    assert r.diff < -0.02 < r.upper_bound and r.passed
+    many_lost = _rows([1] * 900 + [0] * 100)
+    r = deploy_gate(many_lost, _rows([1] * 1000), margin=0.02, confidence=0.95)
+    assert r.upper_bound < -0.02 and not r.passed
+
+
 def test_only_shared_puzzles_count_and_bad_arguments():
     r = deploy_gate({"a": True, "b": False}, {"a": True, "c": True})
     assert r.n == 1

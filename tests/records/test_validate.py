@@ -63,6 +63,8 @@ BAD = {
     "support id >= vocab": _call("b13", support_token_ids=[[4, 6, 99], []]),
     "repeated head id": _call("b14", topk_token_ids=[[4, 4], [5]], topk_logprobs=[[-0.9, -0.9], [0.0]]),
     "repeated support id": _call("b15", support_token_ids=[[4, 6, 6], []]),
+    "prompt id >= vocab": _call("b17", prompt_token_ids=[1, 10, 3]),
+    "negative prompt id": _call("b18", prompt_token_ids=[1, -1, 3]),
     "bias id >= vocab": _call(
         "b16",
         sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "seed": 0}
@@ -100,6 +102,7 @@ def test_good_records_pass_and_each_broken_rule_is_rejected_with_its_reason():
     assert "sum to more than 1" in rejected_trajs["b10"]
     assert all("outside [0, 10)" in rejected_trajs[b] for b in ("b11", "b12", "b13"))
     assert all("repeated ids" in rejected_trajs[b] for b in ("b14", "b15"))
+    assert all("token id outside [0, 10)" in rejected_trajs[b] for b in ("b2", "b17", "b18"))
     # every call of a rejected trajectory is rejected too: nothing of it is trained on
     assert {r["record_id"] for r in rejects if r["table_name"] == "calls"} == {
         c["call_id"] for c in calls if c["trajectory_id"] != "g"

@@ -192,3 +192,18 @@ def test_recorded_lab_calls_on_policy_model_the_tail_exactly(tiny_model, tokeniz
     assert sampled.sum() >= 8 and torch.all(sizes[sampled] < tiny_model.config.vocab_size)
     mu_tail = 1 - seqs.head_deployment_logprobs[sampled].exp().sum(-1)
     torch.testing.assert_close(lp.tail_logprobs[sampled].exp(), mu_tail.float(), rtol=1e-4, atol=2e-6)
+
+
+def test_gradients_are_clipped_to_the_configured_norm(tiny_model, recorded):
+    """Adam's first moment after one step is (1 - beta1) * g: its norm shows the clipped gradient."""
+    adv = _advantages(recorded, batch_size=4)
+    for clip in (1e-4, 0.0):  # 0 disables clipping
+        model = copy.deepcopy(tiny_model)
+        cfg = TrainerConfig(steps=1, batch_size=4, grad_clip=clip)
+        opt = make_optimizer(model, cfg, None)
+        (row,) = train_round(model, opt, recorded.calls, adv[:4], cfg, pad_id=0)
+        first_moment = torch.sqrt(sum((s["exp_avg"] ** 2).sum() for s in opt.state.values()))
+        applied = float(first_moment) / (1 - cfg.beta1)
+        assert row["grad_norm"] > 1e-3  # the gradient the step computed, before clipping
+        expected = clip if clip else row["grad_norm"]
+        assert applied == pytest.approx(expected, rel=1e-3), clip
