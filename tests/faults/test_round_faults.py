@@ -1,0 +1,176 @@
+"""A round under SIGKILL: a child process runs round 1 and is killed at a random moment of it,
+then the round is run again to completion; afterwards no table holds a duplicate or a partial
+row, every registered checkpoint and export loads, the live pointer names the base or round 1's
+deployment (which loads), and the round's calls, checkpoint and export are bit-identical to an
+uninterrupted run's. One kill lands inside each of the round's five steps, at a random moment of
+its duration. Prints, per stage the kill landed in (the step the killed run had started and not
+finished, from its event log), kills, completed re-runs, calls lost and duplicate rows."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from dagster import DagsterInstance, materialize
+
+from assets.base_model import base_model
+from prodrl_pipeline.quant.nvfp4 import load_deployment
+from prodrl_pipeline.records.store import DeltaStore
+from prodrl_pipeline.rl.checkpoint import load_checkpoint
+from tests.test_pipeline import _resources
+
+REPO = Path(__file__).resolve().parents[2]
+STAGES = ("trajectories", "advantages", "checkpoint", "deployment", "eval_report")
+"""One kill inside each, at a random moment of the step's uninterrupted duration."""
+KEYS = {  # what makes a row unique in each table the round writes
+    "calls": ("call_id",),
+    "trajectories": ("trajectory_id",),
+    "advantages": ("round", "trajectory_id"),
+    "train_steps": ("experiment", "round", "step"),
+    "policy_logprobs": ("experiment", "round", "call_id"),
+    "checkpoints": ("checkpoint_id",),
+    "deployments": ("deployment_id",),
+    "eval_results": ("round", "deployment_id", "puzzle_id"),
+    "rejects": ("table_name", "round", "record_id"),
+}
+
+
+def _child(root: Path, home: Path, logs: int = subprocess.DEVNULL) -> subprocess.Popen:
+    env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "tests.faults.round_child", str(root)]
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=logs, text=True, start_new_session=True
+    )
+
+
+def _kill_during(root: Path, home: Path, step: str, delay: float) -> int:
+    """Start the round, SIGKILL it `delay` seconds after Dagster logs the start of `step`;
+    returns the child's exit status."""
+    child = _child(root, home, logs=subprocess.PIPE)
+    started, marker = threading.Event(), f'Started execution of step "{step}"'
+
+    def follow() -> None:  # reads the child's log as it comes (a full pipe would stall it)
+        for line in child.stderr:
+            if marker in line:
+                started.set()
+
+    threading.Thread(target=follow, daemon=True).start()
+    assert started.wait(timeout=300), f"{step} never started"
+    time.sleep(delay)  # the fault's moment inside the step, not a synchronisation
+    os.killpg(child.pid, signal.SIGKILL)
+    return child.wait()
+
+
+def _step_seconds(home: Path) -> dict[str, float]:
+    """How long each step of the newest run took, from its event log."""
+    os.environ["DAGSTER_HOME"] = str(home)
+    with DagsterInstance.get() as instance:
+        run = instance.get_runs(limit=1)[0]
+        start, seconds = {}, {}
+        for event in instance.all_logs(run.run_id):
+            if event.dagster_event is None:
+                continue
+            kind, step = event.dagster_event.event_type_value, event.dagster_event.step_key
+            if kind == "STEP_START":
+                start[step] = event.timestamp
+            elif kind == "STEP_SUCCESS":
+                seconds[step] = event.timestamp - start[step]
+    return seconds
+
+
+def _run_to_end(root: Path, home: Path) -> float:
+    """Round 1 in a child, uninterrupted; returns the seconds from `ready` to its exit."""
+    child = _child(root, home)
+    assert child.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    assert child.wait(timeout=600) == 0, "the round failed"
+    return time.monotonic() - t0
+
+
+def _killed_in(home: Path) -> str:
+    """The step the newest run was in when it died (the last started, unfinished one)."""
+    os.environ["DAGSTER_HOME"] = str(home)
+    with DagsterInstance.get() as instance:
+        run = instance.get_runs(limit=1)[0]
+        started, finished = [], set()
+        for event in instance.all_logs(run.run_id):
+            if event.dagster_event is None:
+                continue
+            kind, step = event.dagster_event.event_type_value, event.dagster_event.step_key
+            if kind == "STEP_START":
+                started.append(step)
+            elif kind in ("STEP_SUCCESS", "STEP_FAILURE"):
+                finished.add(step)
+    running = [s for s in started if s not in finished]
+    return running[-1] if running else ("before the first step" if not started else "between steps")
+
+
+def _base(root: Path, home: Path) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ["DAGSTER_HOME"] = str(home)
+    with DagsterInstance.get() as instance:
+        assert materialize([base_model], instance=instance, resources=_resources(root)).success
+
+
+def _invariants(root: Path, reference: Path) -> dict[str, int]:
+    """Checks what must hold after the re-run; returns the calls lost and the duplicate rows."""
+    tables, ref = DeltaStore(root / "tables"), DeltaStore(reference / "tables")
+    duplicated = 0
+    for name, key in KEYS.items():
+        counts = Counter(tuple(r[k] for k in key) for r in tables.read(name).to_pylist())
+        duplicated += sum(n - 1 for n in counts.values())
+    for row in tables.read("checkpoints").to_pylist():
+        load_checkpoint(row["path"])  # a registered checkpoint is complete
+    for row in tables.read("deployments").to_pylist():
+        load_deployment(row["path"])
+    live = tables.live_deployment()
+    assert live["deployment_id"] in ("base", "main-r000001")
+    served = lambda store: {  # noqa: E731 (every column but the wall-clock time it was made)
+        c["call_id"]: {k: v for k, v in c.items() if k != "created_at"}
+        for c in store.read("calls", 1).to_pylist()
+    }
+    ours, theirs = served(tables), served(ref)
+    assert {k: v for k, v in ours.items() if k in theirs} == {k: theirs[k] for k in ours if k in theirs}
+    for kind in ("checkpoints", "deployments"):
+        row = next(r for r in tables.read(kind).to_pylist() if r["round"] == 1)
+        ref_row = next(r for r in ref.read(kind).to_pylist() if r["round"] == 1)
+        weights = (Path(row["path"]) / "model.safetensors").read_bytes()
+        assert weights == (Path(ref_row["path"]) / "model.safetensors").read_bytes(), f"{kind} differ"
+    return {"lost": len(set(theirs) - set(ours)), "duplicated": duplicated}
+
+
+def test_a_round_killed_inside_each_stage_and_re_run_loses_and_doubles_nothing(tmp_path):
+    reference, ref_home = tmp_path / "reference", tmp_path / "reference-home"
+    _base(reference, ref_home)
+    template, home_template = tmp_path / "template", tmp_path / "template-home"
+    shutil.copytree(reference, template)  # the base model, built once
+    shutil.copytree(ref_home, home_template)
+    round_seconds = _run_to_end(reference, ref_home)
+    seconds = _step_seconds(ref_home)
+    rng = random.Random(0)
+    table: dict[str, Counter] = defaultdict(Counter)
+    for cycle, step in enumerate(STAGES):
+        root, home = tmp_path / f"root{cycle}", tmp_path / f"home{cycle}"
+        shutil.copytree(template, root)
+        shutil.copytree(home_template, home)
+        status = _kill_during(root, home, step, rng.uniform(0, seconds[step]))
+        stage = _killed_in(home) if status == -signal.SIGKILL else "after the end"
+        table[stage]["kills"] += 1
+        _run_to_end(root, home)
+        table[stage]["re-runs completed"] += 1
+        table[stage].update(_invariants(root, reference))
+    print(f"\nround: {round_seconds:.1f} s uninterrupted")
+    print(f"{'killed in':28} kills  re-runs  calls lost  duplicate rows")
+    for stage, n in sorted(table.items()):
+        print(f"{stage:28} {n['kills']:5}  {n['re-runs completed']:7}  {n['lost']:10}  {n['duplicated']:14}")
+    assert sum(n["kills"] for n in table.values()) == len(STAGES)
+    assert sum(n["re-runs completed"] for n in table.values()) == len(STAGES)
+    assert all(n["lost"] == n["duplicated"] == 0 for n in table.values())
