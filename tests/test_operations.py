@@ -38,7 +38,7 @@ def test_maintenance_compacts_and_checkpoints_and_eval_live_rewrites_the_live_ev
         assert len(fresh) == len(rows) and not all(r["solved"] for r in fresh)  # re-evaluated, replaced
 
 
-def test_the_lab_instance_config_loads_with_retries_and_the_trainer_pool(tmp_path, monkeypatch):
+def test_the_lab_instance_config_loads_with_retries_the_trainer_pool_and_one_run_per_round(tmp_path, monkeypatch):
     import shutil
 
     from dagster import DagsterInstance
@@ -48,3 +48,6 @@ def test_the_lab_instance_config_loads_with_retries_and_the_trainer_pool(tmp_pat
     with DagsterInstance.get() as instance:
         assert instance.run_retries_enabled and instance.run_retries_max_retries == 1
         assert instance.get_concurrency_config().pool_config.default_pool_limit == 1
+        limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
+        per_round = {"key": "dagster/partition", "value": {"applyLimitPerUniqueValue": True}, "limit": 1}
+        assert per_round in limits  # queued runs of one round partition run one at a time
