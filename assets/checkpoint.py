@@ -6,6 +6,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from dagster import (
     AssetExecutionContext,
     BackfillPolicy,
@@ -24,6 +25,7 @@ from prodrl_pipeline.artifacts import STORAGE_OPTIONS_ENV, is_remote
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup, register_checkpoint, round_id
 from prodrl_pipeline.rl.checkpoint import LINEAGE_KEYS, load_checkpoint, save_checkpoint
+from prodrl_pipeline.rl.resume import clear_state, data_digest, load_state, save_state
 from prodrl_pipeline.rl.retokenize import retokenize_calls
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, policy_logprobs, train_round
 from prodrl_pipeline.rounds import parent_checkpoint
@@ -132,8 +134,19 @@ def _checkpoint_round(
                     context, lab, cfg, store, k, str(parent_path), str(upload.folder), meta, behaviour_step
                 )
             else:
+                partial = Path(store.root, "partial", lab.experiment, key)
                 rows, retokenized = _train_in_process(
-                    context, lab, cfg, tables, k, parent_path, upload.folder, meta, reference, behaviour_step
+                    context,
+                    lab,
+                    cfg,
+                    tables,
+                    k,
+                    parent_path,
+                    upload.folder,
+                    meta,
+                    reference,
+                    behaviour_step,
+                    partial,
                 )
         path = upload.uri
     register_checkpoint(
@@ -194,9 +207,12 @@ def _checkpoint_round(
     )
 
 
-def _train_in_process(context, lab, cfg, tables, k, parent_path, path, meta, reference_path, behaviour_step):  # noqa: ANN001, ANN202, PLR0913
+def _train_in_process(
+    context, lab, cfg, tables, k, parent_path, path, meta, reference_path, behaviour_step, partial
+):  # noqa: ANN001, ANN202, PLR0913
     """S steps in this process; writes pi_k to `policy_logprobs` and the checkpoint to `path`
-    (`reference_path`: the behaviour deployment's folder, for ref_is)."""
+    (`reference_path`: the behaviour deployment's folder, for ref_is). Every `cfg.resume_every`
+    steps the state is saved in `partial`, and a re-run of the same round continues from it."""
     model, optimizer_state, parent_meta = load_checkpoint(parent_path)
     model.to(cfg.device)
     optimizer = make_optimizer(model, cfg, optimizer_state)
@@ -208,27 +224,64 @@ def _train_in_process(context, lab, cfg, tables, k, parent_path, path, meta, ref
     if cfg.tokens == "retokenized":
         calls, retokenized = retokenize_calls(calls, lab.tokenizer())
         context.log.info(f"round {k}: trains on retokenized calls: {retokenized}")
-    round_start = policy_logprobs(model, calls, cfg, pad, fake_quant=cfg.qat)
-    reference = (
-        policy_logprobs(load_deployment(reference_path), calls, cfg, pad, fake_quant=False)
-        if reference_path is not None
-        else None
-    )
-    tables.overwrite(
-        "policy_logprobs",
-        [
-            {
-                "call_id": c["call_id"],
-                "round": k,
-                "experiment": lab.experiment,
-                "round_start_logprobs": round_start[c["call_id"]].tolist(),
-                "reference_logprobs": reference[c["call_id"]].tolist() if reference else None,
-            }
-            for c in calls
-        ],
-        f"round = {k} AND experiment = '{lab.experiment}'",
-    )
-    rows = train_round(
+    fingerprint = {  # what the round trains from: its parent, its config, its data (not table versions:
+        "parent_id": meta["parent_id"],  # a re-run rewrites the same advantages as a new version)
+        "parent": str(parent_path),
+        "trainer": meta["trainer"],
+        "data": data_digest(calls, adv),
+    }
+    state = load_state(partial, fingerprint)
+    stored = {
+        r["call_id"]: r
+        for r in tables.read("policy_logprobs", k).to_pylist()
+        if r["experiment"] == lab.experiment
+    }
+    if state is not None and not all(c["call_id"] in stored for c in calls):
+        state = None  # pi_k was not kept (another trainer ran the round since): start over
+    if state is not None:  # pi_k and the reference as stored before the first step
+        model.load_state_dict(state.model)
+        optimizer.load_state_dict(state.optimizer)
+        round_start = {
+            c["call_id"]: torch.tensor(stored[c["call_id"]]["round_start_logprobs"]) for c in calls
+        }
+        reference = (
+            {c["call_id"]: torch.tensor(stored[c["call_id"]]["reference_logprobs"]) for c in calls}
+            if reference_path is not None
+            else None
+        )
+        context.log.info(f"round {k}: resumed after {state.cursor} of {cfg.steps} steps")
+    else:
+        round_start = policy_logprobs(model, calls, cfg, pad, fake_quant=cfg.qat)
+        reference = (
+            policy_logprobs(load_deployment(reference_path), calls, cfg, pad, fake_quant=False)
+            if reference_path is not None
+            else None
+        )
+        tables.overwrite(
+            "policy_logprobs",
+            [
+                {
+                    "call_id": c["call_id"],
+                    "round": k,
+                    "experiment": lab.experiment,
+                    "round_start_logprobs": round_start[c["call_id"]].tolist(),
+                    "reference_logprobs": reference[c["call_id"]].tolist() if reference else None,
+                }
+                for c in calls
+            ],
+            f"round = {k} AND experiment = '{lab.experiment}'",
+        )
+    done = state.rows if state is not None else []
+
+    def save(trained_minibatches: int, rows: list[dict]) -> None:
+        if (
+            cfg.resume_every
+            and trained_minibatches % cfg.resume_every == 0
+            and trained_minibatches < cfg.steps
+        ):
+            save_state(partial, model, optimizer, trained_minibatches, done + rows, fingerprint)
+
+    rows = done + train_round(
         model,
         optimizer,
         calls,
@@ -240,10 +293,16 @@ def _train_in_process(context, lab, cfg, tables, k, parent_path, path, meta, ref
         reference=reference,
         behaviour_step=behaviour_step,
         progress=lambda row: _progress(context, k, row),
+        start_minibatch=state.cursor if state is not None else 0,
+        after_step=save,
     )
     lineage = {key: parent_meta.get(key) for key in LINEAGE_KEYS}
     model.to("cpu")
-    save_checkpoint(path, model, optimizer.state_dict(), {**meta, **lineage, "step": rows[-1]["step"]})
+    resumed = {"resumed_after_steps": state.cursor} if state is not None else {}
+    save_checkpoint(
+        path, model, optimizer.state_dict(), {**meta, **lineage, **resumed, "step": rows[-1]["step"]}
+    )
+    clear_state(partial)
     return rows, retokenized
 
 

@@ -128,6 +128,9 @@ class LabResource(ConfigurableResource):
     trainer_secret: str = ""
     """A Kubernetes Secret whose keys become the trainer pod's environment (e.g. AWS_ACCESS_KEY_ID,
     AWS_SECRET_ACCESS_KEY): secret storage options are never written into the pod spec."""
+    resume_every: int = 4
+    """Save a resumable state every this many optimizer steps of a round; a re-run continues
+    from it, bit-identically (rl/resume.py). 0: never."""
     trainer_device: str = "cpu"
     """Where the in-process trainer runs: "cpu" or a torch device such as "cuda"."""
     vllm_url: str = ""
@@ -180,6 +183,7 @@ class LabResource(ConfigurableResource):
             seed=self.seed,
             qat=self.qat,
             device=self.trainer_device,
+            resume_every=self.resume_every,
             tokens=self.tokens,
         )
 

@@ -63,6 +63,9 @@ class TrainerConfig:
     qat: bool = False
     """NVFP4 quantization-aware training: forward through the weights the deployment will serve
     (the export's quantizer, straight-through gradient), for pi_k and every step."""
+    resume_every: int = 4
+    """Save a resumable state every this many optimizer steps inside a round (rl/resume.py; the
+    in-process trainer); 0 never."""
     device: str = "cpu"
     """Where the single-process trainer runs (e.g. "cuda"); checkpoints are saved from the CPU.
     Under torchrun each rank uses its own GPU when CUDA is available (rl/distributed.py)."""
@@ -73,6 +76,8 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        if self.resume_every < 0:
+            raise ValueError(f"trainer.resume_every must be >= 0, got {self.resume_every}")
         if self.warmup_steps < 0:
             raise ValueError(f"trainer.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.tokens not in ("recorded", "retokenized"):
@@ -185,13 +190,17 @@ def train_round(
     behaviour_step: int | None = None,
     progress: Callable[[dict], None] | None = None,
     dp: DataParallel | None = None,
+    start_minibatch: int = 0,
+    after_step: Callable[[int, list[dict]], None] | None = None,
 ) -> list[dict]:
     """Run the round's steps in minibatch order; returns one metrics row per optimizer step.
     `round_start` (pi_k per call) is computed here if not given; `reference` is required by ref_is.
     `behaviour_step`: the global step of the checkpoint whose deployment sampled the calls (default:
     the round's start, as in the synchronous schedule); each row records the policy lag in steps.
     `dp`: data parallelism (rl/distributed.py): `model` is sharded, this rank trains its share of
-    every minibatch, and the rows are the same on every rank."""
+    every minibatch, and the rows are the same on every rank. `start_minibatch`: minibatches
+    already trained (a resumed round: the model and optimizer hold their result); `after_step`
+    is called with the count of minibatches trained and this call's rows after each step."""
     est = cfg.estimator
     if est.type == "ref_is" and reference is None:
         raise ValueError("estimator ref_is needs reference log-probs from the dequantized deployment")
@@ -224,6 +233,8 @@ def train_round(
         round_start = policy_logprobs(model, trained, cfg, pad_id, fake_quant=cfg.qat, dp=dp, spare=spare)
     rows = []
     for step, (mb, length, share) in enumerate(zip(ordered, lengths, shares, strict=True)):
+        if step < start_minibatch:
+            continue
         t0 = time.perf_counter()
         n_traj = len(mb)
         adv = {a["trajectory_id"]: a["advantage"] for a in mb}
@@ -316,4 +327,6 @@ def train_round(
         rows.append(row)
         if progress:
             progress(row)
+        if after_step:
+            after_step(step + 1, rows)
     return rows

@@ -11,9 +11,12 @@ from dagster import DagsterInstance, materialize
 from assets.partitions import round_key
 from tests.test_pipeline import ASSETS, ROUND, _resources
 
+CHILD_LAB = {"steps": 3, "resume_every": 1}
+"""Three steps, a resumable state after each: a kill inside training can resume."""
+
 
 def main() -> None:
-    resources = _resources(sys.argv[1])
+    resources = _resources(sys.argv[1], **CHILD_LAB)
     instance = DagsterInstance.get()
     print("ready", flush=True)
     instance.add_dynamic_partitions("rounds", [round_key(1)])

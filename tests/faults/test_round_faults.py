@@ -8,6 +8,7 @@ finished, from its event log), kills, completed re-runs, calls lost and duplicat
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -24,7 +25,8 @@ from dagster import DagsterInstance, materialize
 from assets.base_model import base_model
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.store import DeltaStore
-from prodrl_pipeline.rl.checkpoint import load_checkpoint
+from prodrl_pipeline.rl.checkpoint import META_FILE, load_checkpoint
+from tests.faults.round_child import CHILD_LAB
 from tests.test_pipeline import _resources
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,6 +69,20 @@ def _kill_during(root: Path, home: Path, step: str, delay: float) -> int:
     time.sleep(delay)  # the fault's moment inside the step, not a synchronisation
     os.killpg(child.pid, signal.SIGKILL)
     return child.wait()
+
+
+def _kill_after_a_resumable_save(root: Path, home: Path) -> bool:
+    """Start the round, SIGKILL it as soon as the trainer's resumable state appears; returns
+    whether the state was still there (the kill landed inside training, after a save)."""
+    state = root / "partial" / "main" / "r000001" / "resume.json"
+    child = _child(root, home)
+    deadline = time.monotonic() + 300
+    while not state.exists():  # watching for the file the fault is aimed at
+        assert child.poll() is None and time.monotonic() < deadline, "the round never saved a state"
+        time.sleep(0.005)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    return state.exists()
 
 
 def _step_seconds(home: Path) -> dict[str, float]:
@@ -117,7 +133,7 @@ def _base(root: Path, home: Path) -> None:
     home.mkdir(parents=True, exist_ok=True)
     os.environ["DAGSTER_HOME"] = str(home)
     with DagsterInstance.get() as instance:
-        assert materialize([base_model], instance=instance, resources=_resources(root)).success
+        assert materialize([base_model], instance=instance, resources=_resources(root, **CHILD_LAB)).success
 
 
 def _invariants(root: Path, reference: Path) -> dict[str, int]:
@@ -167,10 +183,22 @@ def test_a_round_killed_inside_each_stage_and_re_run_loses_and_doubles_nothing(t
         _run_to_end(root, home)
         table[stage]["re-runs completed"] += 1
         table[stage].update(_invariants(root, reference))
-    print(f"\nround: {round_seconds:.1f} s uninterrupted")
-    print(f"{'killed in':28} kills  re-runs  calls lost  duplicate rows")
+    root, home = tmp_path / "root-resume", tmp_path / "home-resume"  # aimed: training after a save
+    shutil.copytree(template, root)
+    shutil.copytree(home_template, home)
+    resumable = _kill_after_a_resumable_save(root, home)
+    stage = "checkpoint, after a resumable save" if resumable else "checkpoint, after its state was cleared"
+    table[stage]["kills"] += 1
+    _run_to_end(root, home)
+    table[stage]["re-runs completed"] += 1
+    table[stage].update(_invariants(root, reference))
+    ckpt = next(r for r in DeltaStore(root / "tables").read("checkpoints").to_pylist() if r["round"] == 1)
+    resumed = json.loads((Path(ckpt["path"]) / META_FILE).read_text()).get("resumed_after_steps")
+    assert resumed is not None or not resumable, "the re-run trained from the start instead of resuming"
+    print(f"\nround: {round_seconds:.1f} s uninterrupted; the aimed kill resumed after {resumed} steps")
+    print(f"{'killed in':36} kills  re-runs  calls lost  duplicate rows")
     for stage, n in sorted(table.items()):
-        print(f"{stage:28} {n['kills']:5}  {n['re-runs completed']:7}  {n['lost']:10}  {n['duplicated']:14}")
-    assert sum(n["kills"] for n in table.values()) == len(STAGES)
-    assert sum(n["re-runs completed"] for n in table.values()) == len(STAGES)
+        print(f"{stage:36} {n['kills']:5}  {n['re-runs completed']:7}  {n['lost']:10}  {n['duplicated']:14}")
+    assert sum(n["kills"] for n in table.values()) == len(STAGES) + 1
+    assert sum(n["re-runs completed"] for n in table.values()) == len(STAGES) + 1
     assert all(n["lost"] == n["duplicated"] == 0 for n in table.values())
