@@ -121,6 +121,7 @@ def _checkpoint_round(
     )
     retokenized: dict = {}
     extra: dict = {}
+    partial = Path(store.root, "partial", lab.experiment, key)  # the in-process trainer's resumable state
     if lab.trainer_image:  # the pod reads the parent and writes the checkpoint on the object store
         rows, extra, path = _train_with_torchrun(
             context, lab, cfg, store, k, parent["path"], path, meta, behaviour_step
@@ -134,7 +135,6 @@ def _checkpoint_round(
                     context, lab, cfg, store, k, str(parent_path), str(upload.folder), meta, behaviour_step
                 )
             else:
-                partial = Path(store.root, "partial", lab.experiment, key)
                 rows, retokenized = _train_in_process(
                     context,
                     lab,
@@ -158,6 +158,7 @@ def _checkpoint_round(
         path=path,
         step=rows[-1]["step"],
     )
+    clear_state(partial)  # resuming is over once the checkpoint is registered
     tables.overwrite(
         "train_steps",
         [{**r, "round": k, "experiment": lab.experiment} for r in rows],
@@ -224,11 +225,12 @@ def _train_in_process(
     if cfg.tokens == "retokenized":
         calls, retokenized = retokenize_calls(calls, lab.tokenizer())
         context.log.info(f"round {k}: trains on retokenized calls: {retokenized}")
-    fingerprint = {  # what the round trains from: its parent, its config, its data (not table versions:
-        "parent_id": meta["parent_id"],  # a re-run rewrites the same advantages as a new version)
-        "parent": str(parent_path),
-        "trainer": meta["trainer"],
-        "data": data_digest(calls, adv),
+    weights = Path(parent_path, "model.safetensors").stat()
+    fingerprint = {  # what the round trains from: its parent (this very file: a re-trained parent is
+        "parent_id": meta["parent_id"],  # rewritten at the same path), its config, its data (not
+        "parent": [str(parent_path), weights.st_size, weights.st_mtime_ns],  # table versions: a
+        "trainer": {k: v for k, v in meta["trainer"].items() if k not in ("device", "resume_every")},
+        "data": data_digest(calls, adv),  # re-run rewrites the same advantages as a new version)
     }
     state = load_state(partial, fingerprint)
     stored = {
@@ -251,6 +253,7 @@ def _train_in_process(
         )
         context.log.info(f"round {k}: resumed after {state.cursor} of {cfg.steps} steps")
     else:
+        clear_state(partial)  # pi_k is rewritten below: no older state may resume against it
         round_start = policy_logprobs(model, calls, cfg, pad, fake_quant=cfg.qat)
         reference = (
             policy_logprobs(load_deployment(reference_path), calls, cfg, pad, fake_quant=False)
@@ -302,8 +305,7 @@ def _train_in_process(
     save_checkpoint(
         path, model, optimizer.state_dict(), {**meta, **lineage, **resumed, "step": rows[-1]["step"]}
     )
-    clear_state(partial)
-    return rows, retokenized
+    return rows, retokenized  # the caller clears `partial` once the checkpoint is registered
 
 
 def _train_with_torchrun(  # noqa: PLR0913

@@ -74,7 +74,11 @@ def _swap_vllm(  # noqa: PLR0913
     expected = [model_logprobs(load_deployment(p), golden) for p in (new_path, old_path)]
     previous = (old_path, weight_label(live))
     swap(lab.vllm_url, new_path, weight_label(new), previous)
-    passed, reason = golden_check(served_logprobs(lab.vllm_url, lab.vllm_model, golden), *expected)
+    try:
+        passed, reason = golden_check(served_logprobs(lab.vllm_url, lab.vllm_model, golden), *expected)
+    except Exception:
+        swap(lab.vllm_url, *previous)  # not checked: live stays, and so must the served weights
+        raise
     context.log.info(f"vLLM at {lab.vllm_url} serves {new['deployment_id']}: {reason}")
     if not passed:
         swap(lab.vllm_url, *previous)
@@ -105,6 +109,7 @@ def _deployment_round(
         export_bytes = sum(f.stat().st_size for f in upload.folder.iterdir())
         rel_error = weight_error(model, upload.folder)
     path = upload.uri
+    live = tables.live_deployment()  # before registering: a re-run may re-register the live one
     register_deployment(
         tables,
         deployment_id=dep_id,
@@ -117,7 +122,6 @@ def _deployment_round(
     candidate = evaluate_deployment(
         tables, lab, artifacts, lookup(tables, "deployments", "deployment_id", dep_id), k
     )
-    live = tables.live_deployment()
     live_rows = stored_results(tables, live["deployment_id"]) or evaluate_deployment(
         tables, lab, artifacts, live, live["round"]
     )

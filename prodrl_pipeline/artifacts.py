@@ -6,8 +6,9 @@ registers that versioned URI once the write is over. A folder without its manife
 and cannot be read, so no registry row names a partial folder, and a re-run never touches the
 folder an earlier row names. Readers get a local copy: a local folder is its own copy; an S3 folder
 is downloaded once into the cache (its files checked against the manifest). Locally a folder is
-written in place, as before. S3 credentials and endpoint come from the storage options the Delta
-tables use (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL).
+written in a temporary sibling and renamed into place. S3 credentials and endpoint come from the
+storage options the Delta tables use (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
+AWS_REGION, AWS_ENDPOINT_URL).
 """
 
 from __future__ import annotations
@@ -74,11 +75,23 @@ class Artifacts:
 
     @contextmanager
     def writing(self, uri: str) -> Iterator[Upload]:
-        """Where to write the folder `uri`, and what to register after a clean exit: the folder
-        itself locally (written in place), or on S3 `<uri>/<upload id>`, uploaded on exit."""
+        """Where to write the folder `uri`, and what to register after a clean exit: locally `uri`
+        itself, written in a temporary sibling that replaces it on exit (a kill leaves the old
+        folder or the new one); on S3 `<uri>/<upload id>`, uploaded on exit."""
         if not is_remote(uri):
-            Path(uri).mkdir(parents=True, exist_ok=True)
-            yield Upload(Path(uri), uri)
+            target = Path(uri)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+            try:
+                yield Upload(tmp, uri)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+            if target.exists():
+                target.rename(old)
+            tmp.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
             return
         final = f"{uri.rstrip('/')}/{uuid.uuid4().hex}"
         with tempfile.TemporaryDirectory(prefix="prodrl-upload-") as staging:

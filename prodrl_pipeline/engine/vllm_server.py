@@ -127,7 +127,9 @@ def swap(
     client: httpx.Client | None = None,
 ) -> None:
     """Serve `export` tagged `label`: pause, load, tag, drop the prefix cache, resume. On failure
-    `previous` (export, label) is loaded back before resuming, and the error is raised."""
+    `previous` (export, label) is loaded back before resuming and the error is raised; without a
+    previous, or if it fails too, the server stays paused: weights in an unknown state under a
+    label that may not be theirs are never served."""
     http = client or httpx.Client(timeout=600)
 
     def load(path: str | Path, tag: str) -> None:
@@ -137,12 +139,17 @@ def swap(
         _post(http, url, "/update_weight_version", {"new_version": tag})
         _post(http, url, "/reset_prefix_cache")
 
-    _post(http, url, "/pause?mode=wait")
+    try:
+        _post(http, url, "/pause?mode=wait")
+    except Exception:
+        _post(http, url, "/resume")  # the pause may have happened after the client gave up
+        raise
     try:
         load(export, label)
     except Exception:
-        if previous is not None:
-            load(*previous)  # if this fails too, the server stays paused: nothing is mislabelled
+        if previous is None:
+            raise
+        load(*previous)
         _post(http, url, "/resume")
         raise
     _post(http, url, "/resume")

@@ -7,7 +7,8 @@ fingerprint loads it and continues at the cursor, with pi_k read back from `poli
 rather than recomputed from the half-trained model. Training holds no random state of its own (the
 minibatches are fixed by the advantages table; the model has no dropout), so the continued run is
 bit-identical to an uninterrupted one. The state is written to a temporary sibling and renamed into
-place: a kill leaves the previous state or the new one, never a partial one.
+place: a kill leaves the previous state, the new one or none, never a partial one; an unreadable
+state is ignored (the round starts over).
 """
 
 from __future__ import annotations
@@ -35,12 +36,11 @@ class ResumeState:
 
 
 def data_digest(calls: list[dict], advantages: list[dict]) -> str:
-    """A digest of what a round trains on: its calls' ids and token ids, and its advantages."""
+    """A digest of what a round trains on: its calls (ids, tokens, log mu, sampling) and advantages."""
     h = hashlib.sha256()
     for c in sorted(calls, key=lambda c: c["call_id"]):
-        h.update(
-            json.dumps([c["call_id"], list(c["prompt_token_ids"]), list(c["completion_token_ids"])]).encode()
-        )
+        ids = [c["call_id"], c["trajectory_id"], list(c["prompt_token_ids"]), list(c["completion_token_ids"])]
+        h.update(json.dumps([*ids, list(c["completion_logprobs"]), c["sampling"]], default=str).encode())
     for a in sorted(advantages, key=lambda a: a["trajectory_id"]):
         h.update(json.dumps([a["trajectory_id"], a["minibatch"], a["advantage"]]).encode())
     return h.hexdigest()
@@ -69,13 +69,14 @@ def save_state(
 
 def load_state(folder: Path, fingerprint: dict) -> ResumeState | None:
     """The saved state, if there is one for exactly this fingerprint."""
-    if not (folder / META_FILE).exists():
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+        if meta["fingerprint"] != json.loads(json.dumps(fingerprint, default=str)):
+            return None
+        state = torch.load(folder / STATE_FILE, weights_only=True, map_location="cpu")
+        return ResumeState(state["model"], state["optimizer"], meta["cursor"], meta["rows"])
+    except (OSError, ValueError, KeyError, RuntimeError, EOFError):  # none, or unreadable: start over
         return None
-    meta = json.loads((folder / META_FILE).read_text())
-    if meta["fingerprint"] != json.loads(json.dumps(fingerprint, default=str)):
-        return None
-    state = torch.load(folder / STATE_FILE, weights_only=True, map_location="cpu")
-    return ResumeState(state["model"], state["optimizer"], meta["cursor"], meta["rows"])
 
 
 def clear_state(folder: Path) -> None:

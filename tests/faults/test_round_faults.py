@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dagster import DagsterInstance, materialize
@@ -45,6 +47,27 @@ KEYS = {  # what makes a row unique in each table the round writes
 }
 
 
+@contextmanager
+def _instance(home: Path) -> Iterator[DagsterInstance]:
+    """The instance in `home` (DAGSTER_HOME set while it is open, restored afterwards)."""
+    before = os.environ.get("DAGSTER_HOME")
+    os.environ["DAGSTER_HOME"] = str(home)
+    try:
+        with DagsterInstance.get() as instance:
+            yield instance
+    finally:
+        if before is None:
+            os.environ.pop("DAGSTER_HOME", None)
+        else:
+            os.environ["DAGSTER_HOME"] = before
+
+
+def _stop(child: subprocess.Popen) -> None:
+    if child.poll() is None:
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+
+
 def _child(root: Path, home: Path, logs: int = subprocess.DEVNULL) -> subprocess.Popen:
     env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "tests.faults.round_child", str(root)]
@@ -65,10 +88,12 @@ def _kill_during(root: Path, home: Path, step: str, delay: float) -> int:
                 started.set()
 
     threading.Thread(target=follow, daemon=True).start()
-    assert started.wait(timeout=300), f"{step} never started"
-    time.sleep(delay)  # the fault's moment inside the step, not a synchronisation
-    os.killpg(child.pid, signal.SIGKILL)
-    return child.wait()
+    try:
+        assert started.wait(timeout=300), f"{step} never started"
+        time.sleep(delay)  # the fault's moment inside the step, not a synchronisation
+    finally:
+        _stop(child)
+    return child.returncode
 
 
 def _kill_after_a_resumable_save(root: Path, home: Path) -> bool:
@@ -77,18 +102,18 @@ def _kill_after_a_resumable_save(root: Path, home: Path) -> bool:
     state = root / "partial" / "main" / "r000001" / "resume.json"
     child = _child(root, home)
     deadline = time.monotonic() + 300
-    while not state.exists():  # watching for the file the fault is aimed at
-        assert child.poll() is None and time.monotonic() < deadline, "the round never saved a state"
-        time.sleep(0.005)
-    os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
+    try:
+        while not state.exists():  # watching for the file the fault is aimed at
+            assert child.poll() is None and time.monotonic() < deadline, "the round never saved a state"
+            time.sleep(0.005)
+    finally:
+        _stop(child)
     return state.exists()
 
 
 def _step_seconds(home: Path) -> dict[str, float]:
     """How long each step of the newest run took, from its event log."""
-    os.environ["DAGSTER_HOME"] = str(home)
-    with DagsterInstance.get() as instance:
+    with _instance(home) as instance:
         run = instance.get_runs(limit=1)[0]
         start, seconds = {}, {}
         for event in instance.all_logs(run.run_id):
@@ -105,16 +130,18 @@ def _step_seconds(home: Path) -> dict[str, float]:
 def _run_to_end(root: Path, home: Path) -> float:
     """Round 1 in a child, uninterrupted; returns the seconds from `ready` to its exit."""
     child = _child(root, home)
-    assert child.stdout.readline().strip() == "ready"
-    t0 = time.monotonic()
-    assert child.wait(timeout=600) == 0, "the round failed"
-    return time.monotonic() - t0
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        t0 = time.monotonic()
+        assert child.wait(timeout=600) == 0, "the round failed"
+        return time.monotonic() - t0
+    finally:
+        _stop(child)
 
 
 def _killed_in(home: Path) -> str:
     """The step the newest run was in when it died (the last started, unfinished one)."""
-    os.environ["DAGSTER_HOME"] = str(home)
-    with DagsterInstance.get() as instance:
+    with _instance(home) as instance:
         run = instance.get_runs(limit=1)[0]
         started, finished = [], set()
         for event in instance.all_logs(run.run_id):
@@ -131,8 +158,7 @@ def _killed_in(home: Path) -> str:
 
 def _base(root: Path, home: Path) -> None:
     home.mkdir(parents=True, exist_ok=True)
-    os.environ["DAGSTER_HOME"] = str(home)
-    with DagsterInstance.get() as instance:
+    with _instance(home) as instance:
         assert materialize([base_model], instance=instance, resources=_resources(root, **CHILD_LAB)).success
 
 
