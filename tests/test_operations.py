@@ -38,7 +38,7 @@ def test_maintenance_compacts_and_checkpoints_and_eval_live_rewrites_the_live_ev
         assert len(fresh) == len(rows) and not all(r["solved"] for r in fresh)  # re-evaluated, replaced
 
 
-def test_the_lab_instance_config_loads_with_retries_the_trainer_pool_and_one_run_per_round(tmp_path, monkeypatch):
+def test_the_lab_instance_config_has_retries_the_trainer_pool_and_one_run_per_round(tmp_path, monkeypatch):
     import shutil
 
     from dagster import DagsterInstance

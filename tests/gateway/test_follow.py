@@ -62,6 +62,7 @@ def test_the_follower_loads_beside_switches_drains_and_survives_a_failed_load(tm
         assert follower.check(t0) == "base" and deployments.ids() == ["base", "r1"]
         store.set_live("r1")
         assert follower.check(t0) == "r1" and deployments.ids() == ["r1", "base"]
+        t1 = time.monotonic()  # base drains from its last switch (loads before it take real time)
         assert deployments.switches == 3 and deployments.load_failures == 0
 
         old_trajectory = deployments.acquire(None, pinned="base")
@@ -74,10 +75,10 @@ def test_the_follower_loads_beside_switches_drains_and_survives_a_failed_load(tm
         )
         for d in (new_trajectory, named):
             deployments.release(d)
-        assert deployments.retire(t0 + 5) == []  # still draining
-        assert deployments.retire(t0 + 11) == []  # drained, but a call still holds it
+        assert deployments.retire(t1 + 5) == []  # still draining
+        assert deployments.retire(t1 + 11) == []  # drained, but a call still holds it
         deployments.release(old_trajectory)
-        assert deployments.retire(t0 + 11) == ["base"]
+        assert deployments.retire(t1 + 11) == ["base"]
         assert deployments.acquire(None, pinned="base").deployment_id == "r1"  # base is gone
 
         _register(root, tokenizer, "broken", seed=12, broken=True)
