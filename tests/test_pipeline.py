@@ -8,12 +8,13 @@ from dagster import AssetKey, Definitions, instance_for_test, materialize
 
 from assets.advantages import advantages
 from assets.base_model import base_model
-from assets.checkpoint import checkpoint, trainer_pod_spec
+from assets.checkpoint import checkpoint
 from assets.checks import CHECKS
 from assets.definitions import defs
 from assets.deployment import deployment
 from assets.eval_report import eval_report
 from assets.partitions import round_key
+from assets.torchrun import trainer_pod_spec
 from assets.trajectories import trajectories
 from prodrl_pipeline.records.registry import BASE, lookup, register_checkpoint
 from prodrl_pipeline.rl.checkpoint import META_FILE
