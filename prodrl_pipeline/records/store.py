@@ -13,12 +13,16 @@ from pathlib import Path
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
-from deltalake.exceptions import CommitFailedError
+from deltalake.exceptions import CommitFailedError, DeltaError
 
 from prodrl_pipeline.records.schema import TABLES
 
 SAFE_ID = re.compile(r"[A-Za-z0-9_.:-]+")  # ids that may appear inside a SQL predicate
 PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "policy_logprobs", "eval_results"}
+
+
+class StorageError(OSError):
+    """A table write failed for a reason of the storage's (no space, read-only, unreachable)."""
 
 
 class DeltaStore:
@@ -67,19 +71,17 @@ class DeltaStore:
         data = self._conform(table, rows)
         partition_by = ["round"] if table in PARTITIONED else None
         if not self.exists(table):
-            write_deltalake(
-                self.uri(table),
+            self._write(
+                table,
                 data,
-                storage_options=self.storage_options,
                 mode="overwrite",
                 partition_by=partition_by,
                 commit_properties=self._commit({"predicate": predicate}),
             )
         else:
-            write_deltalake(
-                self.uri(table),
+            self._write(
+                table,
                 data,
-                storage_options=self.storage_options,
                 mode="overwrite",
                 predicate=predicate,
                 partition_by=partition_by,
@@ -87,6 +89,21 @@ class DeltaStore:
                 commit_properties=self._commit({"predicate": predicate}),
             )
         return data.num_rows
+
+    def _write(self, table: str, data: pa.Table, **kwargs: object) -> None:
+        """write_deltalake; a failure other than a lost commit race (disk full, read-only storage,
+        a lost connection) is reported as a StorageError naming the table, which stays readable
+        at its last committed version (a Delta commit is atomic)."""
+        try:
+            write_deltalake(self.uri(table), data, storage_options=self.storage_options, **kwargs)
+        except CommitFailedError:
+            raise
+        except (DeltaError, OSError) as e:
+            last = self.table(table).version() if self.exists(table) else None
+            raise StorageError(
+                f"writing {data.num_rows} rows to table {table!r} failed: {e}; the table stays at its "
+                f"last committed version ({'none' if last is None else last})"
+            ) from e
 
     def overwrite_round(self, table: str, rows: pa.Table | Sequence[dict], round_: int) -> int:
         return self.overwrite(table, rows, f"round = {int(round_)}")
@@ -104,10 +121,9 @@ class DeltaStore:
         that knows it is the app's only writer and is past its replay may skip the check."""
         if transaction and check and self.transaction_version(table, transaction[0]) >= transaction[1]:
             return False
-        write_deltalake(
-            self.uri(table),
+        self._write(
+            table,
             self._conform(table, rows),
-            storage_options=self.storage_options,
             mode="append",
             partition_by=["round"] if table in PARTITIONED else None,
             schema_mode="merge",

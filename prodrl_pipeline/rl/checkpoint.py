@@ -27,10 +27,14 @@ def save_checkpoint(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:8]}"
-    model.save_pretrained(tmp)
-    if optimizer_state is not None:
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+    try:
+        model.save_pretrained(tmp)
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write (disk full) leaves nothing behind
+        raise
     old = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
     if path.exists():
         path.rename(old)
