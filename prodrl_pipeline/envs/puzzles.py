@@ -68,9 +68,14 @@ def _open_text(path: Path) -> io.TextIOBase:
     return path.open(encoding="utf-8", newline="")
 
 
-def read_puzzles(path: str | Path, limit: int | None = None, themes: str | None = None) -> list[Puzzle]:
+def read_puzzles(
+    path: str | Path, limit: int | None = None, themes: str | None = None, skipped: list[str] | None = None
+) -> list[Puzzle]:
     """Read a Lichess puzzle CSV (`lichess_db_puzzle.csv` or `.csv.zst`), optionally keeping only
-    rows whose Themes contain `themes` (e.g. "mateIn1"). Raises ValueError on a malformed header."""
+    rows whose Themes contain `themes` (e.g. "mateIn1"). Raises ValueError on a malformed header.
+    A malformed row (no id, an unreadable FEN, moves that are not a legal UCI line from it, a
+    non-integer count) raises ValueError naming its line, or, with `skipped`, is left out and
+    described there ("line N: reason")."""
     path = Path(path)
     out: list[Puzzle] = []
     with _open_text(path) as fh:
@@ -79,25 +84,59 @@ def read_puzzles(path: str | Path, limit: int | None = None, themes: str | None 
         if missing:
             raise ValueError(f"{path}: not a Lichess puzzle CSV, missing columns {missing}")
         for row in reader:
-            if themes and themes not in row.get("Themes", "").split():
+            if themes and themes not in (row.get("Themes") or "").split():
                 continue
-            out.append(
-                Puzzle(
-                    puzzle_id=row["PuzzleId"],
-                    fen=row["FEN"],
-                    moves=tuple(row["Moves"].split()),
-                    rating=int(row.get("Rating") or 1500),
-                    rating_deviation=int(row.get("RatingDeviation") or 75),
-                    popularity=int(row.get("Popularity") or 0),
-                    nb_plays=int(row.get("NbPlays") or 0),
-                    themes=row.get("Themes", ""),
-                    game_url=row.get("GameUrl", ""),
-                    opening_tags=row.get("OpeningTags", ""),
-                )
-            )
+            try:
+                puzzle = _puzzle(row)
+            except ValueError as e:
+                reason = f"line {reader.line_num}: {e}"
+                if skipped is None:
+                    raise ValueError(f"{path} {reason}") from e
+                skipped.append(reason)
+                continue
+            out.append(puzzle)
             if limit is not None and len(out) >= limit:
                 break
     return out
+
+
+def _puzzle(row: dict) -> Puzzle:
+    """One CSV row as a Puzzle, checked (ValueError says what is wrong)."""
+    puzzle_id, fen, moves = (row.get(c) or "" for c in ("PuzzleId", "FEN", "Moves"))
+    if not puzzle_id.strip():
+        raise ValueError("no PuzzleId")
+    try:
+        board = chess.Board(fen)
+    except ValueError as e:
+        raise ValueError(f"FEN {fen[:100]!r} does not parse ({e})") from e
+    line = moves.split()
+    if len(line) < 2:
+        raise ValueError("Moves needs the opponent's move and at least one reply")
+    for uci in line:
+        try:
+            board.push(board.parse_uci(uci))
+        except ValueError as e:
+            raise ValueError(f"move {uci[:20]!r} is not legal in the line {moves[:200]!r}") from e
+
+    def integer(column: str, default: int) -> int:
+        value = row.get(column) or ""
+        try:
+            return int(value) if value.strip() else default
+        except ValueError:
+            raise ValueError(f"{column} {value[:40]!r} is not an integer") from None
+
+    return Puzzle(
+        puzzle_id=puzzle_id,
+        fen=fen,
+        moves=tuple(line),
+        rating=integer("Rating", 1500),
+        rating_deviation=integer("RatingDeviation", 75),
+        popularity=integer("Popularity", 0),
+        nb_plays=integer("NbPlays", 0),
+        themes=row.get("Themes") or "",
+        game_url=row.get("GameUrl") or "",
+        opening_tags=row.get("OpeningTags") or "",
+    )
 
 
 def write_puzzles(puzzles: Iterable[Puzzle], path: str | Path) -> None:

@@ -17,8 +17,46 @@ def _logsumexp(xs: list[float]) -> float:
     return top + math.log(sum(math.exp(x - top) for x in xs))
 
 
+def _ints(xs: object) -> bool:
+    return isinstance(xs, list | tuple) and all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
+
+
+def _numbers(xs: object) -> bool:
+    return isinstance(xs, list | tuple) and all(
+        x is None or (isinstance(x, int | float) and not isinstance(x, bool)) for x in xs
+    )
+
+
+def _shape_problem(call: dict) -> str | None:
+    """The first column whose type is not the contract's (records from outside are hostile)."""
+    for name in ("prompt_token_ids", "completion_token_ids", "support_size"):
+        if not _ints(call.get(name) or []):
+            return f"{name} is not a list of integers"
+    for name in ("topk_token_ids", "support_token_ids", "extra_token_ids"):
+        if not isinstance(call.get(name) or [], list | tuple) or not all(
+            _ints(x or []) for x in call.get(name) or []
+        ):
+            return f"{name} is not a list of lists of integers"
+    if not _numbers(call.get("completion_logprobs") or []):
+        return "completion_logprobs is not a list of numbers"
+    if not isinstance(call.get("topk_logprobs") or [], list | tuple) or not all(
+        _numbers(x or []) for x in call.get("topk_logprobs") or []
+    ):
+        return "topk_logprobs is not a list of lists of numbers"
+    if not _ints([call.get("vocab_size") or 0]):
+        return "vocab_size is not an integer"
+    sampling = call.get("sampling")
+    if sampling is not None and (
+        not isinstance(sampling, dict) or not _numbers([sampling.get("temperature")])
+    ):
+        return "sampling is not a record with a numeric temperature"
+    return None
+
+
 def call_problem(call: dict) -> str | None:
     """The first contract rule `call` breaks, or None."""
+    if problem := _shape_problem(call):
+        return problem
     vocab = call.get("vocab_size") or 0
     prompt, completion = call.get("prompt_token_ids") or [], call.get("completion_token_ids") or []
     if not prompt or not completion:
@@ -104,6 +142,8 @@ def split_valid(
         reason = None
         if t.get("reward") is None or not math.isfinite(t["reward"]):
             reason = "no finite reward"
+        elif problems:  # before the checks below, which count on well-formed calls
+            reason = "invalid call: " + next(iter(problems.values()))
         elif len(cs) != t["n_calls"]:
             reason = f"n_calls {t['n_calls']} but {len(cs)} calls recorded"
         elif t.get("n_completion_tokens") is not None and t["n_completion_tokens"] != (
@@ -112,8 +152,6 @@ def split_valid(
             reason = f"usage says {t['n_completion_tokens']} completion tokens but the calls hold {tokens}"
         elif len({c.get("call_index") for c in cs}) != len(cs):
             reason = "two calls share a call_index"
-        elif problems:
-            reason = "invalid call: " + next(iter(problems.values()))
         if reason is None:
             good_trajs.append(t)
             good_calls.extend(cs)
