@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 from pyarrow import fs
 
+from prodrl_pipeline.folders import replacing
+
 S3 = "s3://"
 COMPLETE = ".complete"  # marks a finished download in the cache
 MANIFEST = ".manifest.json"  # uploaded last: the folder's files and sizes
@@ -79,19 +81,8 @@ class Artifacts:
         itself, written in a temporary sibling that replaces it on exit (a kill leaves the old
         folder or the new one); on S3 `<uri>/<upload id>`, uploaded on exit."""
         if not is_remote(uri):
-            target = Path(uri)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-            try:
+            with replacing(Path(uri)) as tmp:
                 yield Upload(tmp, uri)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
-            if target.exists():
-                target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
             return
         final = f"{uri.rstrip('/')}/{uuid.uuid4().hex}"
         with tempfile.TemporaryDirectory(prefix="prodrl-upload-") as staging:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from prodrl_pipeline.folders import replacing
 
 STATE_FILE, META_FILE = "state.pt", "resume.json"
 
@@ -54,17 +55,10 @@ def save_state(
     rows: list[dict],
     fingerprint: dict,
 ) -> None:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp / STATE_FILE)
-    meta = {"cursor": cursor, "rows": rows, "fingerprint": fingerprint}
-    (tmp / META_FILE).write_text(json.dumps(meta, default=str))
-    old = folder.parent / f".old-{folder.name}-{uuid.uuid4().hex[:8]}"
-    if folder.exists():
-        folder.rename(old)
-    tmp.rename(folder)
-    shutil.rmtree(old, ignore_errors=True)
+    with replacing(folder) as tmp:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp / STATE_FILE)
+        meta = {"cursor": cursor, "rows": rows, "fingerprint": fingerprint}
+        (tmp / META_FILE).write_text(json.dumps(meta, default=str))
 
 
 def load_state(folder: Path, fingerprint: dict) -> ResumeState | None:
