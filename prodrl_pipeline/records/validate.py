@@ -27,21 +27,22 @@ def _numbers(xs: object) -> bool:
     )
 
 
+def _lists_of(check, xs: object) -> bool:
+    """`xs` is a list whose entries are each null or pass `check` (a falsy 0 is not a list)."""
+    return isinstance(xs, list | tuple) and all(x is None or check(x) for x in xs)
+
+
 def _shape_problem(call: dict) -> str | None:
     """The first column whose type is not the contract's (records from outside are hostile)."""
     for name in ("prompt_token_ids", "completion_token_ids", "support_size"):
         if not _ints(call.get(name) or []):
             return f"{name} is not a list of integers"
     for name in ("topk_token_ids", "support_token_ids", "extra_token_ids"):
-        if not isinstance(call.get(name) or [], list | tuple) or not all(
-            _ints(x or []) for x in call.get(name) or []
-        ):
+        if not _lists_of(_ints, call.get(name) or []):
             return f"{name} is not a list of lists of integers"
     if not _numbers(call.get("completion_logprobs") or []):
         return "completion_logprobs is not a list of numbers"
-    if not isinstance(call.get("topk_logprobs") or [], list | tuple) or not all(
-        _numbers(x or []) for x in call.get("topk_logprobs") or []
-    ):
+    if not _lists_of(_numbers, call.get("topk_logprobs") or []):
         return "topk_logprobs is not a list of lists of numbers"
     if not _ints([call.get("vocab_size") or 0]):
         return "vocab_size is not an integer"

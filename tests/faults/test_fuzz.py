@@ -10,7 +10,7 @@ import math
 
 import chess
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from prodrl_pipeline.envs.puzzles import LICHESS_COLUMNS, read_puzzles
@@ -43,6 +43,7 @@ PER_POSITION = ("completion_logprobs", "topk_token_ids", "topk_logprobs", "suppo
         max_size=3,
     )
 )
+@example([("topk_logprobs", [0, 0])])  # found by this test: a falsy 0 passed as an empty head
 def test_a_call_with_any_fields_broken_is_kept_sound_or_rejected_with_a_reason(edits):
     bad = _call("fuzz")
     for name, value in edits:
