@@ -138,3 +138,110 @@ def test_tables_written_by_an_older_schema_still_read_and_take_new_columns(tmp_p
     assert read["policy_lag_steps"] is None and read["loss"] == 0.5
     store.overwrite_round("train_steps", [{**row, "round": 2, "policy_lag_steps": 3}], 2)
     assert sorted(r["policy_lag_steps"] or 0 for r in store.read("train_steps").to_pylist()) == [0, 3]
+
+
+def test_registry_ids_rows_lineage_and_lookup(tmp_path):
+    from prodrl_pipeline.records.registry import (
+        children,
+        lookup,
+        register_checkpoint,
+        register_deployment,
+        round_id,
+    )
+
+    assert round_id("exp", 0) == "base" and round_id("exp", 12) == "exp-r000012"
+    with pytest.raises(ValueError, match="experiment name 'a b' must match"):
+        round_id("a b", 1)
+
+    store = DeltaStore(tmp_path)
+    before = datetime.now(UTC)
+    register_checkpoint(
+        store, checkpoint_id="base", round_=0, experiment="exp", parent_id=None, path="/b", step=0
+    )
+    for r, parent in [(1, "base"), (2, "exp-r000001"), (3, "exp-r000001")]:
+        register_checkpoint(
+            store,
+            checkpoint_id=round_id("exp", r),
+            round_=r,
+            experiment="exp",
+            parent_id=parent,
+            path=f"/c{r}",
+            step=r * 2,
+        )
+    # re-registering replaces the row rather than adding one
+    register_checkpoint(
+        store,
+        checkpoint_id="exp-r000003",
+        round_=3,
+        experiment="exp",
+        parent_id="exp-r000001",
+        path="/c3b",
+        step=7,
+    )
+    row = lookup(store, "checkpoints", "checkpoint_id", "exp-r000003")
+    assert {k: row[k] for k in ("round", "experiment", "parent_id", "path", "step")} == {
+        "round": 3,
+        "experiment": "exp",
+        "parent_id": "exp-r000001",
+        "path": "/c3b",
+        "step": 7,
+    }
+    assert row["created_at"] >= before
+    assert store.read("checkpoints").num_rows == 4
+    assert children(store, "exp-r000001") == ["exp-r000002", "exp-r000003"]
+    assert children(store, "base") == ["exp-r000001"] and children(store, "exp-r000003") == []
+    with pytest.raises(
+        KeyError, match="checkpoints: no row with checkpoint_id = 'nope'; has it been materialized"
+    ):
+        lookup(store, "checkpoints", "checkpoint_id", "nope")
+
+    sampling = '{"temperature": 1.0}'
+    register_deployment(
+        store,
+        deployment_id="base",
+        round_=0,
+        checkpoint_id="base",
+        path="/d0",
+        quant_format="nvfp4",
+        sampling_json=sampling,
+    )
+    store.set_live("base")
+    register_deployment(
+        store,
+        deployment_id="exp-r000001",
+        round_=1,
+        checkpoint_id="exp-r000001",
+        path="/d1",
+        quant_format="bf16",
+        sampling_json=sampling,
+    )
+    row = lookup(store, "deployments", "deployment_id", "exp-r000001")
+    assert row["live"] is False  # a new deployment is not live until set_live
+    assert {k: row[k] for k in ("round", "checkpoint_id", "path", "quant_format", "sampling_json")} == {
+        "round": 1,
+        "checkpoint_id": "exp-r000001",
+        "path": "/d1",
+        "quant_format": "bf16",
+        "sampling_json": sampling,
+    }
+    # re-registering the live deployment keeps it live; re-registering another keeps it not live
+    register_deployment(
+        store,
+        deployment_id="base",
+        round_=0,
+        checkpoint_id="base",
+        path="/d0b",
+        quant_format="nvfp4",
+        sampling_json=sampling,
+    )
+    assert store.live_deployment()["path"] == "/d0b"
+    register_deployment(
+        store,
+        deployment_id="exp-r000001",
+        round_=1,
+        checkpoint_id="exp-r000001",
+        path="/d1",
+        quant_format="bf16",
+        sampling_json=sampling,
+    )
+    assert store.live_deployment()["deployment_id"] == "base" and store.read("deployments").num_rows == 2

@@ -1,4 +1,7 @@
+import json
 from datetime import UTC, datetime
+
+import pytest
 
 from prodrl_pipeline.records.validate import prefix_continuity, split_valid
 
@@ -117,3 +120,248 @@ def test_prefix_continuity_counts_later_calls_that_extend_what_was_served():
     single = _call("u")
     assert prefix_continuity([broken, single, first, kept]) == (1, 2)  # order of arrival is irrelevant
     assert prefix_continuity([single]) == (0, 0)
+
+
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "seed": 0}
+PER_POSITION_LENGTHS = "{'completion_logprobs': 1, 'topk_token_ids': 2, 'topk_logprobs': 2, 'support_size': 2, 'support_token_ids': 2}"
+
+
+def _bias(token, bias) -> dict:
+    return {"sampling": SAMPLING | {"logit_bias": [{"token_id": token, "bias": bias}]}}
+
+
+# (what breaks, the edit to the sound call, the exact reason its rejection must give)
+RULES = [
+    ("prompt not ints", {"prompt_token_ids": "1 2 3"}, "prompt_token_ids is not a list of integers"),
+    ("bool id", {"completion_token_ids": [4, True]}, "completion_token_ids is not a list of integers"),
+    ("float size", {"support_size": [3, 1.0]}, "support_size is not a list of integers"),
+    ("scalar head", {"topk_token_ids": [[4, 6], 5]}, "topk_token_ids is not a list of lists of integers"),
+    (
+        "float support",
+        {"support_token_ids": [[4, 6, 7.0], []]},
+        "support_token_ids is not a list of lists of integers",
+    ),
+    ("text extra", {"extra_token_ids": [[4], "5"]}, "extra_token_ids is not a list of lists of integers"),
+    ("text logprob", {"completion_logprobs": [-0.5, "0"]}, "completion_logprobs is not a list of numbers"),
+    ("bool logprob", {"completion_logprobs": [-0.5, False]}, "completion_logprobs is not a list of numbers"),
+    (
+        "scalar head lp",
+        {"topk_logprobs": [[-0.5, -1.0], 0]},
+        "topk_logprobs is not a list of lists of numbers",
+    ),
+    ("text vocab", {"vocab_size": "10"}, "vocab_size is not an integer"),
+    (
+        "text temperature",
+        {"sampling": {"temperature": "1"}},
+        "sampling is not a record with a numeric temperature",
+    ),
+    ("sampling not a record", {"sampling": [1.0]}, "sampling is not a record with a numeric temperature"),
+    ("empty prompt", {"prompt_token_ids": []}, "empty prompt or completion"),
+    ("empty completion", {"completion_token_ids": []}, "empty prompt or completion"),
+    (
+        "short column",
+        {"completion_logprobs": [-0.5]},
+        f"per-position columns disagree with 2 completion ids: {PER_POSITION_LENGTHS}",
+    ),
+    ("prompt id = V", {"prompt_token_ids": [1, 10]}, "token id outside [0, 10)"),
+    ("negative completion id", {"completion_token_ids": [-1, 5]}, "token id outside [0, 10)"),
+    (
+        "greedy",
+        {"sampling": SAMPLING | {"temperature": 0.0}},
+        "no sampling temperature > 0: a greedy call has no sampling distribution to train on",
+    ),
+    (
+        "no sampling",
+        {"sampling": None},
+        "no sampling temperature > 0: a greedy call has no sampling distribution to train on",
+    ),
+    *[
+        (
+            f"bias {t}:{b}",
+            _bias(t, b),
+            f"logit_bias entry {{'token_id': {t}, 'bias': {b}}} is not a vocabulary id with a bias in [-100, 100]",
+        )
+        for t, b in [(10, 1.0), (-1, 1.0), (None, 1.0), (3, None), (3, 100.5), (3, -100.5)]
+    ],
+    ("extra at one position", {"extra_token_ids": [[4]]}, "extra samples recorded for 1 of 2 positions"),
+    (
+        "ragged extra",
+        {"extra_token_ids": [[4], [5, 5]]},
+        "positions recorded different numbers of extra samples",
+    ),
+    (
+        "positive logprob",
+        {"completion_logprobs": [0.5, 0.0]},
+        "position 0: log-prob 0.5 is not finite and <= 0",
+    ),
+    (
+        "null logprob",
+        {"completion_logprobs": [-0.5, None]},
+        "position 1: log-prob None is not finite and <= 0",
+    ),
+    (
+        "inf logprob",
+        {"completion_logprobs": [float("-inf"), 0.0]},
+        "position 0: log-prob -inf is not finite and <= 0",
+    ),
+    (
+        "empty head",
+        {"topk_token_ids": [[4, 6], []], "topk_logprobs": [[-0.5, -1.0], []]},
+        "position 1: empty head or head ids/log-probs of different lengths",
+    ),
+    (
+        "head lengths",
+        {"topk_logprobs": [[-0.5], [0.0]]},
+        "position 0: empty head or head ids/log-probs of different lengths",
+    ),
+    ("size < head", {"support_size": [1, 1]}, "position 0: support size 1 outside [2, 10]"),
+    ("size > V", {"support_size": [11, 1]}, "position 0: support size 11 outside [2, 10]"),
+    (
+        "support missing",
+        {"support_token_ids": [[], []]},
+        "position 0: restricted support of 3 tokens is not recorded",
+    ),
+    (
+        "support short",
+        {"support_token_ids": [[4, 6], []]},
+        "position 0: restricted support of 3 tokens is not recorded",
+    ),
+    (
+        "head id = V",
+        {"topk_token_ids": [[4, 10], [5]], "support_size": [10, 1]},
+        "position 0: a head, support or extra id is outside [0, 10)",
+    ),
+    (
+        "extra id = V",
+        {"extra_token_ids": [[10], [5]]},
+        "position 0: a head, support or extra id is outside [0, 10)",
+    ),
+    (
+        "negative support id",
+        {"support_token_ids": [[4, 6, -1], []]},
+        "position 0: a head, support or extra id is outside [0, 10)",
+    ),
+    (
+        "repeated support",
+        {"support_token_ids": [[4, 6, 6], []]},
+        "position 0: repeated ids in the head or the support",
+    ),
+    (
+        "repeated head",
+        {"topk_token_ids": [[4, 4], [5]], "topk_logprobs": [[-0.9, -0.9], [0.0]]},
+        "position 0: repeated ids in the head or the support",
+    ),
+    (
+        "head -inf",
+        {"topk_logprobs": [[-0.5, float("-inf")], [0.0]]},
+        "position 0: a head log-prob is not finite and <= 0",
+    ),
+    (
+        "head null",
+        {"topk_logprobs": [[-0.5, None], [0.0]]},
+        "position 0: a head log-prob is not finite and <= 0",
+    ),
+    (
+        "head lp > 0",
+        {"topk_logprobs": [[-0.5, -1.0], [0.01]]},
+        "position 1: a head log-prob is not finite and <= 0",
+    ),
+    (
+        "head mass",
+        {"topk_logprobs": [[-0.5, -0.2], [0.0]]},
+        "position 0: the head's probabilities sum to more than 1",
+    ),
+    (
+        "sampled outside support",
+        {"completion_token_ids": [8, 5]},
+        "position 0: a sampled id is outside the recorded support",
+    ),
+    (
+        "sampled outside a whole head",
+        {"completion_token_ids": [4, 6]},
+        "position 1: a sampled id is outside the recorded support",
+    ),
+    (
+        "extra outside support",
+        {"extra_token_ids": [[8], [5]]},
+        "position 0: a sampled id is outside the recorded support",
+    ),
+    (
+        "extra outside a whole head",
+        {"extra_token_ids": [[4], [6]]},
+        "position 1: a sampled id is outside the recorded support",
+    ),
+    (
+        "head outside support",
+        {"topk_token_ids": [[4, 8], [5]]},
+        "position 0: a head id is outside the recorded support",
+    ),
+]
+
+
+@pytest.mark.parametrize(("edit", "reason"), [r[1:] for r in RULES], ids=[r[0] for r in RULES])
+def test_each_contract_rule_rejects_with_its_exact_reason(edit, reason):
+    bad = _call("bad") | edit
+    kept_calls, kept_trajs, rejects = split_valid([bad], [_traj("bad")], table="landing_calls")
+    assert kept_calls == [] and kept_trajs == []
+    by_table = {r["table_name"]: r for r in rejects}
+    assert by_table["landing_calls"]["reason"] == reason
+    assert by_table["trajectories"]["reason"] == "invalid call: " + reason
+
+
+SOUND_EDGES = [
+    (
+        "ids 0 and V-1 everywhere",
+        {
+            "prompt_token_ids": [0, 9],
+            "topk_token_ids": [[0, 9], [5]],
+            "support_token_ids": [[0, 9, 4], []],
+            "completion_token_ids": [0, 5],
+        },
+    ),
+    ("unrestricted support needs no list", {"support_size": [10, 1], "support_token_ids": [[], []]}),
+    (
+        "a head as large as its support is the support",
+        {"support_size": [2, 1], "support_token_ids": [[], []]},
+    ),
+    ("head log-prob at the float tolerance", {"topk_logprobs": [[-0.5, -1.0], [1e-4]]}),
+    ("bias at -100 on id 0", _bias(0, -100)),
+    ("bias at 100 on id V-1", _bias(9, 100)),
+    ("extra samples inside the support", {"extra_token_ids": [[7], [5]]}),
+]
+
+
+@pytest.mark.parametrize("edit", [e for _, e in SOUND_EDGES], ids=[n for n, _ in SOUND_EDGES])
+def test_sound_calls_at_the_edges_of_each_rule_are_kept(edit):
+    call = _call("ok") | edit
+    kept_calls, kept_trajs, rejects = split_valid([call], [_traj("ok")])
+    assert rejects == [] and kept_calls == [call] and kept_trajs == [_traj("ok")]
+
+
+def test_rejects_name_their_table_round_record_and_time():
+    orphan = _call("orphan", round=4)
+    bad = _call("bad", round=3, completion_logprobs=[0.5, 0.0])
+    sibling = _call("bad", round=3, call_id="bad-1", call_index=1)
+    trajs = [_traj("bad", round=3, n_calls=2, n_completion_tokens=4), _traj("nan", reward=float("nan"))]
+    _, _, rejects = split_valid([orphan, bad, sibling, _call("nan")], trajs, table="landing_calls")
+    rows = {(r["table_name"], r["record_id"]): r for r in rejects}
+    assert set(rows) == {
+        ("landing_calls", "orphan-0"),
+        ("landing_calls", "bad-0"),
+        ("landing_calls", "bad-1"),
+        ("trajectories", "bad"),
+        ("trajectories", "nan"),
+        ("landing_calls", "nan-0"),
+    }
+    assert rows["landing_calls", "orphan-0"]["reason"] == "call of an unknown trajectory"
+    assert rows["landing_calls", "orphan-0"]["round"] == 4 and rows["trajectories", "bad"]["round"] == 3
+    assert rows["landing_calls", "bad-1"]["reason"] == "its trajectory was rejected"
+    assert rows["trajectories", "nan"]["reason"] == "no finite reward"
+    assert json.loads(rows["landing_calls", "bad-0"]["record_json"])["completion_logprobs"] == [0.5, 0.0]
+    stamps = {r["rejected_at"] for r in rejects}
+    assert len(stamps) == 1 and next(iter(stamps)).tzinfo is not None
+
+
+def test_usage_is_checked_only_when_reported():
+    kept_calls, _, rejects = split_valid([_call("u")], [_traj("u", n_completion_tokens=None)])
+    assert rejects == [] and len(kept_calls) == 1

@@ -48,3 +48,50 @@ def test_a_round_resumed_from_its_saved_state_is_bit_identical(tiny_model, recor
         assert torch.equal(a, b)
     clear_state(tmp_path / "partial")
     assert load_state(tmp_path / "partial", fingerprint) is None
+
+
+def test_the_data_digest_sees_every_trained_field_and_nothing_else():
+    from prodrl_pipeline.rl.resume import data_digest
+    from tests.records.test_validate import _call
+
+    calls = [_call("a"), _call("b")]
+    adv = [
+        {"trajectory_id": "a", "minibatch": 0, "advantage": 0.5},
+        {"trajectory_id": "b", "minibatch": 0, "advantage": -0.5},
+    ]
+    base = data_digest(calls, adv)
+    assert len(base) == 64 and data_digest(calls[::-1], adv[::-1]) == base  # the order of rows is irrelevant
+    assert data_digest([{**calls[0], "created_at": None}, calls[1]], adv) == base  # wall clock is not data
+    changed_calls = {
+        "call_id": "a-9",
+        "trajectory_id": "z",
+        "prompt_token_ids": [1, 2, 4],
+        "completion_token_ids": [4, 6],
+        "completion_logprobs": [-0.5, -1e-9],
+        "sampling": {"temperature": 0.5},
+    }
+    for field, value in changed_calls.items():
+        assert data_digest([{**calls[0], field: value}, calls[1]], adv) != base, field
+    for field, value in {"trajectory_id": "c", "minibatch": 1, "advantage": 0.25}.items():
+        assert data_digest(calls, [{**adv[0], field: value}, adv[1]]) != base, field
+    assert data_digest(calls[:1], adv) != base and data_digest(calls, adv[:1]) != base
+
+
+def test_an_unreadable_or_partial_state_is_ignored(tiny_model, tmp_path):
+    cfg = TrainerConfig(steps=1, batch_size=2)
+    opt = make_optimizer(tiny_model, cfg, None)
+    rows = [{"step": 1, "loss": 0.25}]
+    save_state(tmp_path / "s", tiny_model, opt, 1, rows, {"parent": "base"})
+    state = load_state(tmp_path / "s", {"parent": "base"})
+    assert state.cursor == 1 and state.rows == rows
+    assert all(torch.equal(state.model[k], v) for k, v in tiny_model.state_dict().items())
+    assert state.optimizer["param_groups"][0]["lr"] == opt.param_groups[0]["lr"]
+
+    data = (tmp_path / "s" / "state.pt").read_bytes()
+    (tmp_path / "s" / "state.pt").write_bytes(data[: len(data) // 2])  # truncated by a crash
+    assert load_state(tmp_path / "s", {"parent": "base"}) is None
+    (tmp_path / "s" / "resume.json").write_text('{"cursor": 1')  # a torn meta file
+    assert load_state(tmp_path / "s", {"parent": "base"}) is None
+    (tmp_path / "s" / "resume.json").write_text('{"cursor": 1, "rows": []}')  # no fingerprint
+    assert load_state(tmp_path / "s", {"parent": "base"}) is None
+    assert load_state(tmp_path / "missing", {"parent": "base"}) is None
