@@ -115,3 +115,37 @@ def test_live_moves_forward_only_after_a_passed_gate_against_what_is_still_live(
     assert not goes_live(
         gate_passed=True, counterfactual=False, round_=3, candidate="c", gated_against="g", live=None
     )
+
+
+def test_rounds_missing_from_done_count_as_having_nothing_materialized():
+    assert start_blocker("sync", 2, {}, failed={2}) == (
+        "round 2's last run failed: re-run it (Materialize its partition) to continue"
+    )
+    assert start_blocker("sync", 2, {}) == "round 2 is still in flight"
+    assert start_blocker("async1", 3, {3: {"advantages"}}) == "round 2 is not deployed yet"
+    assert start_blocker("async1", 3, {}) == "round 3 has not taken its traffic yet"
+
+
+def test_traffic_refusals_give_their_whole_reason():
+    common = dict(source="lab", experiment="main", round_=4, live=_dep(2), registered={})
+    with pytest.raises(ValueError) as refused:
+        traffic_deployment(schedule="sync", counterfactual=True, **common)
+    assert str(refused.value) == (
+        "round 4: a counterfactual replay trains on stored traffic only; "
+        "materialize the round's trajectories in the original experiment first"
+    )
+    with pytest.raises(ValueError) as refused:
+        traffic_deployment(schedule="sync", counterfactual=False, **{**common, "live": None})
+    assert str(refused.value) == "no live deployment: materialize base_model first"
+
+
+def test_live_never_moves_to_a_round_no_newer_than_the_live_one():
+    # the gate ran against the live deployment of the same round number (another experiment's)
+    assert not goes_live(
+        gate_passed=True,
+        counterfactual=False,
+        round_=2,
+        candidate="main-r000002",
+        gated_against="other-r000002",
+        live={"deployment_id": "other-r000002", "round": 2},
+    )

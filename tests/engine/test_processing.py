@@ -88,3 +88,80 @@ def test_bad_sampling_params_are_refused():
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_each_row_keeps_its_own_sampling_parameters_in_one_batch():
+    """Rows with different temperature, top-k (0, k < V, k = V, k > V), top-p and greedy, processed
+    together, each equal their own brute force (nothing of one row leaks into another)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 12, generator=g) * 2
+    rows = [
+        (1.0, 0, 1.0),
+        (0.5, 4, 1.0),
+        (1.5, 12, 1.0),
+        (1.0, 40, 1.0),
+        (0.8, 0, 0.6),
+        (0.0, 5, 0.5),
+        (1.2, 3, 0.9),
+    ]
+    temperature, top_k, top_p = (torch.tensor(c) for c in zip(*rows, strict=True))
+    out = processed_logprobs(logits, temperature.float(), top_k, top_p.float())
+    for row, (t, k, p) in enumerate(rows):
+        expected = brute_force(logits[row].tolist(), t, k, p, None)
+        got = {i: float(out[row, i]) for i in range(12) if math.isfinite(out[row, i])}
+        assert got.keys() == expected.keys(), row
+        assert all(got[i] == pytest.approx(expected[i], abs=1e-5) for i in got), row
+
+
+def test_a_masked_row_under_top_k_never_keeps_a_masked_token():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])
+    allowed = torch.tensor([[False, True, False, True, True]])
+    out = processed_logprobs(logits, torch.ones(1), torch.tensor([4]), torch.ones(1), allowed)
+    assert torch.isfinite(out[0]).tolist() == [False, True, False, True, True]  # k = 4 > 3 allowed
+    assert float(out[0].exp().sum()) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"temperature": -1}, "temperature must be >= 0, got -1"),
+        ({"top_p": 0}, r"top_p must be in \(0, 1\], got 0"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ({"top_k": -2}, r"top_k must be >= 0 \(0 disables it\), got -2"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        (
+            {"logit_bias": ((3, 100.5),)},
+            r"logit_bias takes token ids >= 0 and biases in \[-100, 100\], got 3: 100.5",
+        ),
+        ({"logit_bias": ((3, -100.5),)}, r"got 3: -100.5"),
+        ({"logit_bias": ((-1, 1.0),)}, r"got -1: 1.0"),
+    ],
+)
+def test_bad_sampling_params_are_refused_with_their_reason(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**bad)
+
+
+def test_sampling_params_at_their_edges_are_accepted_and_recorded_whole():
+    edge = SamplingParams(
+        temperature=0.0, top_p=1.0, top_k=0, max_tokens=1, logit_bias=((0, -100.0), (9, 100.0))
+    )
+    assert edge.recorded(seed=7) == {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "max_tokens": 1,
+        "seed": 7,
+        "logit_bias": [{"token_id": 0, "bias": -100.0}, {"token_id": 9, "bias": 100.0}],
+    }
+    assert SamplingParams(top_p=1e-6).top_p == 1e-6
+    assert SamplingParams() == SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=64, seed=None)
+
+
+def test_the_bias_matrix_is_dense_per_row_and_absent_without_biases():
+    from prodrl_pipeline.engine.processing import bias_matrix
+
+    assert bias_matrix([None, None], 5) is None
+    dense = bias_matrix([None, ([0, 4], [1.5, -2.0]), ([2], [100.0])], 5)
+    assert dense.tolist() == [[0, 0, 0, 0, 0], [1.5, 0, 0, 0, -2.0], [0, 0, 100.0, 0, 0]]
+    assert dense.dtype == torch.float32

@@ -54,3 +54,41 @@ def test_paired_difference_interval_by_hand():
     lo, hi = p.interval(0.95)
     assert p.diff == pytest.approx(0.15) and p.rate == pytest.approx(0.45) and p.baseline_rate == 0.3
     assert (lo, hi) == pytest.approx((0.15 - 1.959964 * sd / 10, 0.15 + 1.959964 * sd / 10))
+
+
+def test_the_gate_reason_says_what_it_decided_on():
+    live = _rows([1] * 10)
+    r = deploy_gate(_rows([1] * 10), live)
+    assert r.reason() == (
+        "gate passes: candidate 1.000 vs live 1.000 on 10 paired puzzles; diff +0.000, "
+        "upper bound +0.000 vs -margin -0.020"
+    )
+    r = deploy_gate(_rows([0] * 10), live, margin=0.5)
+    assert r.reason() == (
+        "gate FAILS: candidate 0.000 vs live 1.000 on 10 paired puzzles; diff -1.000, "
+        "upper bound -1.000 vs -margin -0.500"
+    )
+
+
+def test_the_gate_edges_a_bound_at_minus_margin_passes_and_tiny_samples():
+    # every puzzle lost: d_i = -1 with no spread, so the bound is exactly -1
+    r = deploy_gate(_rows([0] * 4), _rows([1] * 4), margin=1.0)
+    assert r.upper_bound == -1.0 and r.passed  # not worse than the margin allows
+    assert not deploy_gate(_rows([0] * 4), _rows([1] * 4), margin=0.999).passed
+    assert deploy_gate(_rows([1]), _rows([1]), margin=0.0).passed  # margin 0 is allowed
+    one = paired_difference(_rows([0]), _rows([1]))  # a single pair has no spread to estimate
+    assert (one.n, one.diff, one.se) == (1, -1.0, 0.0)
+    two = paired_difference(_rows([0, 1]), _rows([1, 1]))  # d = (-1, 0): s_d = sqrt(0.5)
+    assert two.se == pytest.approx(math.sqrt(0.5) / math.sqrt(2))
+    assert two.interval() == pytest.approx(two.interval(0.95))  # 95% unless told otherwise
+    assert deploy_gate(_rows([1] * 49 + [0]), _rows([1] * 50)).margin == 0.02
+
+
+@pytest.mark.parametrize(("confidence", "margin"), [(0.0, 0.02), (1.0, 0.02), (0.95, -0.01)])
+def test_the_gate_refuses_arguments_it_cannot_honour(confidence, margin):
+    with pytest.raises(
+        ValueError, match=rf"need 0 < confidence < 1 and margin >= 0, got {confidence}, {margin}"
+    ):
+        deploy_gate(_rows([1]), _rows([1]), margin=margin, confidence=confidence)
+    with pytest.raises(ValueError, match="^the two deployments share no evaluated puzzle$"):
+        paired_difference({"a": True}, {"b": True})
