@@ -90,3 +90,44 @@ def test_a_text_completion_call_cannot_be_rebuilt(recorded, tokenizer):
     call = {**recorded.calls[0], "messages_json": '{"prompt": "1. e4"}'}
     with pytest.raises(ValueError, match="not a chat call"):
         retokenize_calls([call], tokenizer)
+
+
+def test_a_call_without_the_assistants_answer_last_cannot_be_rebuilt(recorded, tokenizer):
+    for messages in ("[]", '[{"role": "user", "content": "1. e4"}]'):
+        call = {**recorded.calls[0], "call_id": "c-7", "messages_json": messages}
+        with pytest.raises(ValueError) as refused:
+            retokenize_calls([call], tokenizer)
+        assert str(refused.value) == "call c-7: messages_json does not end with the assistant's answer"
+
+
+def test_extra_samples_are_kept_where_ids_agree_and_become_the_token_itself_after(recorded, tokenizer):
+    from prodrl_pipeline.rl.retokenize import retokenize_call
+
+    call = recorded.calls[0]
+    extra = [[t, t] for t in call["completion_token_ids"]]
+    whole = retokenize_call({**call, "extra_token_ids": extra}, tokenizer)
+    agree = sum(
+        a == b for a, b in zip(whole["completion_token_ids"], call["completion_token_ids"], strict=False)
+    )
+    assert 0 < agree < len(whole["completion_token_ids"])  # the template's trailing newline differs
+    assert whole["extra_token_ids"][:agree] == extra[:agree]
+    assert all(
+        e == [tok, tok]
+        for e, tok in zip(
+            whole["extra_token_ids"][agree:], whole["completion_token_ids"][agree:], strict=True
+        )
+    )
+    assert retokenize_call({**call, "extra_token_ids": None}, tokenizer)["extra_token_ids"] == []
+
+
+def test_differing_stretches_are_told_apart_by_kind(tokenizer):
+    from prodrl_pipeline.rl.retokenize import _kind
+
+    def ids(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    assert _kind(tokenizer, ids("\n")) == "template whitespace"
+    assert _kind(tokenizer, [tokenizer.eos_token_id]) == "special tokens"
+    assert _kind(tokenizer, ids("{")) == "tool-call rendering"
+    assert _kind(tokenizer, ids('"')) == "tool-call rendering"
+    assert _kind(tokenizer, ids("e4")) == "move or content tokens"

@@ -1,0 +1,51 @@
+"""The token trie behind tool-choice constraints, step by step on hand-written sequences."""
+
+import pytest
+import torch
+
+from prodrl_pipeline.engine.constraints import ChoiceConstraint
+
+
+def test_a_choice_walks_its_trie_forcing_single_continuations():
+    c = ChoiceConstraint([[5, 1, 2], [5, 1, 3, 4], [7]])
+    s = c.start()
+    assert s.allowed() == [5, 7] and s.forced() == [] and not s.finished
+    row = torch.zeros(9, dtype=torch.bool)
+    s.allow(row)
+    assert row.nonzero().squeeze(1).tolist() == [5, 7]
+    s.advance(5)
+    assert s.forced() == [1] and s.allowed() == [1]  # forced() looks ahead without consuming
+    s.advance(1)
+    assert s.allowed() == [2, 3] and s.forced() == []
+    s.advance(3)
+    assert s.forced() == [4] and not s.finished
+    s.advance(4)
+    assert s.finished and s.allowed() == [] and s.forced() == []
+    with pytest.raises(ValueError, match="^token 2 is not allowed here$"):
+        s.advance(2)
+    s2 = c.start()  # every completion starts at the root, whatever another did
+    assert s2.allowed() == [5, 7]
+    s2.advance(7)
+    assert s2.finished
+    # a chain of single children is forced to its end
+    assert ChoiceConstraint([[1, 2, 3]]).start().forced() == [1, 2, 3]
+
+
+def test_the_choice_for_vllm_is_the_same_sequences_as_a_grammar():
+    c = ChoiceConstraint([(5, 1), [7]])
+    assert c.sequences == ((5, 1), (7,))
+    assert c.structured_outputs == {"grammar": "start: <[5]> <[1]> | <[7]>"}
+
+
+@pytest.mark.parametrize(
+    ("sequences", "message"),
+    [
+        ([], "^a choice constraint needs at least one allowed sequence$"),
+        ([[1], []], "^allowed sequences must be non-empty$"),
+        ([[1, 2], [1, 2, 3]], r"^allowed sequence \[1, 2\] is a prefix of another$"),
+        ([[1, 2, 3], [1, 2]], r"^allowed sequence \[1, 2\] is a prefix of another$"),
+    ],
+)
+def test_a_choice_refuses_sequences_it_cannot_tell_apart(sequences, message):
+    with pytest.raises(ValueError, match=message):
+        ChoiceConstraint(sequences)
