@@ -123,7 +123,9 @@ def test_prefix_continuity_counts_later_calls_that_extend_what_was_served():
 
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "seed": 0}
-PER_POSITION_LENGTHS = "{'completion_logprobs': 1, 'topk_token_ids': 2, 'topk_logprobs': 2, 'support_size': 2, 'support_token_ids': 2}"
+PER_POSITION_LENGTHS = (
+    "{'completion_logprobs': 1, 'topk_token_ids': 2, 'topk_logprobs': 2, 'support_size': 2, 'support_token_ids': 2}"
+)
 
 
 def _bias(token, bias) -> dict:
@@ -179,7 +181,8 @@ RULES = [
         (
             f"bias {t}:{b}",
             _bias(t, b),
-            f"logit_bias entry {{'token_id': {t}, 'bias': {b}}} is not a vocabulary id with a bias in [-100, 100]",
+            f"logit_bias entry {{'token_id': {t}, 'bias': {b}}} "
+            "is not a vocabulary id with a bias in [-100, 100]",
         )
         for t, b in [(10, 1.0), (-1, 1.0), (None, 1.0), (3, None), (3, 100.5), (3, -100.5)]
     ],
