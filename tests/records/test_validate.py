@@ -124,7 +124,8 @@ def test_prefix_continuity_counts_later_calls_that_extend_what_was_served():
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "seed": 0}
 PER_POSITION_LENGTHS = (
-    "{'completion_logprobs': 1, 'topk_token_ids': 2, 'topk_logprobs': 2, 'support_size': 2, 'support_token_ids': 2}"
+    "{'completion_logprobs': 1, 'topk_token_ids': 2, 'topk_logprobs': 2, "
+    "'support_size': 2, 'support_token_ids': 2}"
 )
 
 
