@@ -182,18 +182,53 @@ def test_token_is_weight_and_sequence_trust_region():
 @pytest.mark.parametrize(
     "bad, match",
     [
-        ({"type": "ppo"}, "unknown"),
-        ({"is_cap": 0}, "is_cap"),
-        ({"eps_low": 1.0}, "eps_low"),
-        ({"kl_beta": -1}, "kl_beta"),
-        ({"type": "reinforce", "trust_region": True}, "token_is"),
-        ({"type": "tis_ppo", "truncated_is": True}, "score_centering"),
-        ({"type": "tis_ppo", "centering": "samples"}, "centering"),
+        (
+            {"type": "ppo"},
+            "^estimator type 'ppo' unknown; choose one of "
+            r"\['ref_is', 'reinforce', 'score_centering', 'tis_ppo', 'token_is'\]$",
+        ),
+        ({"is_cap": 0}, "^is_cap must be > 0, got 0$"),
+        ({"eps_low": 1.0}, "^need 0 <= eps_low < 1 and eps_high >= 0, got 1.0, 0.28$"),
+        ({"eps_low": -0.1}, "^need 0 <= eps_low < 1 and eps_high >= 0, got -0.1, 0.28$"),
+        ({"eps_high": -0.1}, "^need 0 <= eps_low < 1 and eps_high >= 0, got 0.2, -0.1$"),
+        ({"trust_region_delta": 0}, "^trust_region_delta must be > 0, got 0$"),
+        ({"kl_beta": -1}, "^kl_beta must be >= 0, got -1$"),
+        ({"type": "reinforce", "trust_region": True}, "^trust_region applies to type='token_is' only$"),
+        (
+            {"type": "tis_ppo", "truncated_is": True},
+            "^truncated_is composes with type='score_centering', centering='head' only$",
+        ),
+        (
+            {"centering": "samples", "truncated_is": True},
+            "^truncated_is composes with type='score_centering', centering='head' only$",
+        ),
+        ({"type": "tis_ppo", "centering": "samples"}, "^centering applies to type='score_centering' only$"),
     ],
 )
 def test_invalid_configs_say_what_to_change(bad, match):
     with pytest.raises(ValueError, match=match):
         EstimatorConfig(**bad)
+
+
+def test_configs_at_the_edges_of_their_ranges_are_accepted():
+    default = EstimatorConfig()
+    assert (default.type, default.centering, default.is_cap, default.eps_low, default.eps_high) == (
+        "score_centering",
+        "head",
+        2.0,
+        0.2,
+        0.28,
+    )
+    assert (default.trust_region, default.trust_region_delta, default.truncated_is, default.kl_beta) == (
+        False,
+        3e-3,
+        False,
+        0.0,
+    )
+    EstimatorConfig(type="tis_ppo", eps_low=0.0, eps_high=0.0, kl_beta=0.0, is_cap=1e-3)
+    EstimatorConfig(type="token_is", trust_region=True, trust_region_delta=1e-9)
+    EstimatorConfig(type="score_centering", centering="head", truncated_is=True)
+    EstimatorConfig(type="score_centering", centering="samples")
 
 
 def test_ref_is_weights_by_the_reference_not_by_mu_and_kl_beta_pulls_toward_pi_k():
