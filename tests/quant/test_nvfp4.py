@@ -1,7 +1,8 @@
 import json
 
+import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from prodrl_pipeline.quant.nvfp4 import (
     QUANTIZED,
@@ -130,3 +131,40 @@ def test_modelopt_export_is_the_deployed_artifact(tiny_model, tmp_path):
     for name, w in w_hat.items():
         assert torch.equal(served[name], w), name
     assert type(tiny_model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # caller's model untouched
+
+
+def test_weight_error_is_the_relative_error_of_what_the_export_serves(tiny_model, tmp_path):
+    from prodrl_pipeline.quant.nvfp4 import weight_error
+
+    export_deployment(tiny_model, tmp_path / "none", "none")
+    assert weight_error(tiny_model, tmp_path / "none") == 0.0
+    export_deployment(tiny_model, tmp_path / "fp4", "nvfp4")
+    weights = {n: w for n, w in tiny_model.state_dict().items() if QUANTIZED.match(n)}
+    w_hat = round_trip(weights)
+    num = sum(float((w_hat[n] - w).abs().sum()) for n, w in weights.items())
+    den = sum(float(w.abs().sum()) for w in weights.values())
+    assert weight_error(tiny_model, tmp_path / "fp4") == pytest.approx(num / den, rel=1e-6)
+    assert 0.02 < num / den < 0.2
+
+
+def test_exports_refuse_what_they_cannot_write(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="^quant_format must be 'nvfp4' or 'none', got 'int4'$"):
+        export_deployment(tiny_model, tmp_path / "x", "int4")
+    assert not (tmp_path / "x").exists()
+    odd = {"model.layers.0.mlp.down_proj.weight": torch.ones(4, 24)}
+    with pytest.raises(
+        ValueError, match="^model.layers.0.mlp.down_proj.weight: input dim 24 is not a multiple of 16$"
+    ):
+        quantize_state(odd)
+    # an export whose weights do not fit the model's config is refused, naming what is off
+    export_deployment(tiny_model, tmp_path / "none", "none")
+    state = load_file(str(tmp_path / "none" / "model.safetensors"))
+    state["model.extra.weight"] = torch.zeros(1)
+    del state["model.norm.weight"]
+    save_file(state, str(tmp_path / "none" / "model.safetensors"))
+    with pytest.raises(
+        ValueError,
+        match=r"none: missing \['model.norm.weight', 'lm_head.weight'\], "
+        r"unexpected \['model.extra.weight'\]$",
+    ):
+        load_deployment(tmp_path / "none")
