@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DAGSTER_HOME ?= $(CURDIR)/.prodrl/dagster_home
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install system-packages demo test test-slow ui serve lint format clean data bench study
+.PHONY: install system-packages demo test test-slow mutation ui serve lint format clean data bench study
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,14 @@ test: install system-packages  ## the test suite (slow experiments excluded)
 
 test-slow: install
 	$(BIN)/pytest -q -m slow
+
+# Mutation testing of the decision code (pyproject.toml [tool.mutmut], docs/reliability.md): hours on
+# 2 cores, so not in CI. MUTANTS='prodrl_pipeline.evals.gate.*' re-tests a subset incrementally.
+mutation: install
+	$(BIN)/pip install --quiet -c constraints.txt 'mutmut==3.8.1'
+	$(if $(MUTANTS),,rm -rf mutants)
+	env -u PYTHONPATH $(BIN)/mutmut run --max-children 2 $(MUTANTS)
+	$(BIN)/python scripts/mutation_score.py --json mutants/score.json
 
 ui: install $(DAGSTER_HOME)/dagster.yaml  ## Dagster UI + daemon on http://127.0.0.1:3000 over the demo's instance
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000

@@ -207,3 +207,52 @@ def test_gradients_are_clipped_to_the_configured_norm(tiny_model, recorded):
         assert row["grad_norm"] > 1e-3  # the gradient the step computed, before clipping
         expected = clip if clip else row["grad_norm"]
         assert applied == pytest.approx(expected, rel=1e-3), clip
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"steps": 0}, "^trainer.steps must be >= 1, got 0$"),
+        ({"batch_size": 0}, "^trainer.batch_size must be >= 1, got 0$"),
+        ({"microbatch_calls": 0}, "^trainer.microbatch_calls must be >= 1, got 0$"),
+        ({"logprob_chunk_tokens": 0}, "^trainer.logprob_chunk_tokens must be >= 1, got 0$"),
+        ({"lr": 0.0}, "^trainer.lr must be > 0, got 0.0$"),
+        ({"resume_every": -1}, "^trainer.resume_every must be >= 0, got -1$"),
+        ({"warmup_steps": -1}, "^trainer.warmup_steps must be >= 0, got -1$"),
+        ({"tokens": "text"}, "^trainer.tokens must be 'recorded' or 'retokenized', got 'text'$"),
+    ],
+)
+def test_trainer_configs_it_cannot_honour_are_refused_with_the_reason(bad, message):
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig(**bad)
+
+
+def test_the_learning_rate_warms_up_linearly_over_global_steps():
+    edge = TrainerConfig(
+        steps=1,
+        batch_size=1,
+        microbatch_calls=1,
+        logprob_chunk_tokens=1,
+        resume_every=0,
+        warmup_steps=0,
+        tokens="retokenized",
+        lr=1e-9,
+    )
+    assert edge.lr_at(1) == 1e-9  # no warm-up
+    cfg = TrainerConfig(lr=0.4, warmup_steps=4)
+    assert [cfg.lr_at(s) for s in (1, 2, 4, 5, 40)] == [0.1, 0.2, 0.4, 0.4, 0.4]
+
+
+def test_a_stored_optimizer_state_continues_under_this_rounds_hyperparameters(tiny_model):
+    first = TrainerConfig(lr=1e-3, beta1=0.8, beta2=0.9)
+    opt = make_optimizer(tiny_model, first, None)
+    assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["betas"] == (0.8, 0.9)
+    tiny_model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    later = make_optimizer(tiny_model, TrainerConfig(lr=2e-4, beta1=0.5, beta2=0.95), state)
+    assert later.param_groups[0]["lr"] == 2e-4 and later.param_groups[0]["betas"] == (0.5, 0.95)
+    moments = [s["exp_avg"] for s in later.state.values()]
+    assert len(moments) == len(state["state"]) and all(
+        torch.equal(a, b["exp_avg"]) for a, b in zip(moments, state["state"].values(), strict=True)
+    )
