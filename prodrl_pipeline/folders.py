@@ -1,4 +1,5 @@
-"""Replacing a folder whole: written in a temporary sibling, then renamed into place."""
+"""Folders of files: replaced whole (written in a temporary sibling, then renamed into place), and
+read with errors that name the file and what is wrong with it."""
 
 from __future__ import annotations
 
@@ -27,3 +28,25 @@ def replacing(target: Path) -> Iterator[Path]:
         target.rename(old)
     tmp.rename(target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+class CorruptFileError(ValueError):
+    """A file that is there but does not parse: truncated, or its bytes garbled."""
+
+
+@contextmanager
+def reading(file: Path, what: str) -> Iterator[None]:
+    """Re-raise a failure to read or parse `file` (a part of `what`, e.g. "checkpoint /x") as an error
+    naming both: FileNotFoundError if it is missing, CorruptFileError for whatever low-level error its
+    parser raises on bad bytes (SafetensorError, UnpicklingError, JSONDecodeError, ...). Other OSErrors
+    (permissions, I/O) pass as they are: they name the file already."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{what}: {file.name} is missing") from e
+    except OSError:
+        raise
+    except Exception as e:
+        raise CorruptFileError(
+            f"{what}: {file.name} is truncated or corrupt ({type(e).__name__}: {e})"
+        ) from e

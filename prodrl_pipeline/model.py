@@ -57,8 +57,16 @@ def build_model(config: TinyQwen3Config, vocab_size: int, pad_token_id: int) -> 
 
 
 def load_model(path: str | Path) -> PreTrainedModel:
-    """Load an HF checkpoint directory (safetensors) in fp32 for CPU work."""
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    """Load an HF checkpoint directory (safetensors) in fp32 for CPU work. A weight it lacks (e.g. its
+    name garbled on disk) is an error: transformers would initialize it at random, with a warning."""
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, output_loading_info=True
+    )
+    if info["missing_keys"]:
+        raise ValueError(
+            f"the weights in {path} lack {sorted(info['missing_keys'])}: corrupt, or another model's"
+        )
+    return model.eval()
 
 
 def n_parameters(model: torch.nn.Module) -> int:

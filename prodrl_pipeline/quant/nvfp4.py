@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 import re
 import warnings
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from prodrl_pipeline.folders import reading
 
 BLOCK = 16
 QUANTIZED = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
@@ -93,7 +96,10 @@ def dequantize_state(exported: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
             continue
         base = name.removesuffix(".weight")
-        if name.endswith(".weight") and f"{base}.weight_scale" in exported:
+        if name.endswith(".weight") and t.dtype == torch.uint8:  # two E2M1 codes a byte
+            scales = (f"{base}.weight_scale", f"{base}.weight_scale_2")
+            if missing := [s for s in scales if s not in exported]:
+                raise ValueError(f"{name} holds NVFP4 codes but {' and '.join(missing)} is missing")
             shape = (t.shape[0], t.shape[1] * 2)
             qt = _modelopt().NVFP4QTensor(torch.Size(shape), torch.float32, t)
             out[name] = qt.dequantize(
@@ -150,13 +156,23 @@ def export_deployment(
 
 
 def load_deployment(path: str | Path) -> PreTrainedModel:
-    """The model a deployment serves: dequantized NVFP4 weights (or full precision), fp32 compute."""
+    """The model a deployment serves: dequantized NVFP4 weights (or full precision), fp32 compute.
+    A file of it that is missing, truncated or corrupt raises an error naming the deployment and the
+    file (FileNotFoundError, CorruptFileError)."""
     path = Path(path)
+    what = f"deployment {path}"
+    weights, quant_config = path / "model.safetensors", path / "hf_quant_config.json"
+    with reading(path / "config.json", what):  # transformers calls a missing one an unrecognized model
+        json.loads((path / "config.json").read_text())
     config = AutoConfig.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = load_file(str(path / "model.safetensors"))
-    if (path / "hf_quant_config.json").exists():
-        state = dequantize_state(state)
+    with reading(weights, what):
+        state = load_file(str(weights))
+    if quant_config.exists():
+        with reading(quant_config, what):
+            json.loads(quant_config.read_text())  # vLLM parses it too
+        with reading(weights, what):  # a tensor it lacks
+            state = dequantize_state(state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")

@@ -8,7 +8,8 @@ QueryBuilder): the one SQL engine of the project.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,7 +23,8 @@ PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "policy_log
 
 
 class StorageError(OSError):
-    """A table write failed for a reason of the storage's (no space, read-only, unreachable)."""
+    """A table write failed for a reason of the storage's (no space, read-only, unreachable), or a
+    table's Delta log is corrupt."""
 
 
 class DeltaStore:
@@ -50,7 +52,22 @@ class DeltaStore:
         return DeltaTable.is_deltatable(self.uri(table), storage_options=self.storage_options)
 
     def table(self, table: str, version: int | None = None) -> DeltaTable:
-        return DeltaTable(self.uri(table), version=version, storage_options=self.storage_options)
+        with self._reading(table):
+            return DeltaTable(self.uri(table), version=version, storage_options=self.storage_options)
+
+    @contextmanager
+    def _reading(self, table: str) -> Iterator[None]:
+        """Re-raise deltalake's generic DeltaError for a log that does not parse (a commit file in
+        `_delta_log` truncated or garbled; deltalake says "Json error") as a StorageError naming the table."""
+        try:
+            yield
+        except DeltaError as e:
+            if "Json error" not in str(e):
+                raise
+            raise StorageError(
+                f"table {table!r} ({self.uri(table)}) is unreadable: its Delta log is corrupt, a commit file "
+                f"in _delta_log is truncated or garbled ({str(e).splitlines()[0]})"
+            ) from e
 
     def _commit(
         self, extra: Mapping[str, str] | None, transaction: tuple[str, int] | None = None
@@ -146,7 +163,8 @@ class DeltaStore:
             return TABLES[table].empty_table()
         where = f" WHERE round = {int(round_)}" if round_ is not None else ""
         qb = QueryBuilder().register("t", self.table(table, version))
-        data = pa.table(qb.execute(f"SELECT * FROM t{where}").read_all())
+        with self._reading(table):  # the log's per-file stats are parsed only now
+            data = pa.table(qb.execute(f"SELECT * FROM t{where}").read_all())
         schema = TABLES[table]
         for field in schema:  # a table written by an older prodrl lacks newer (nullable) columns
             if field.name not in data.column_names:

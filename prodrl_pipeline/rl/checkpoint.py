@@ -10,9 +10,11 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import PreTrainedModel
+from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_NAME
 
-from prodrl_pipeline.folders import replacing
+from prodrl_pipeline.folders import reading, replacing
 from prodrl_pipeline.model import load_model
 
 OPTIMIZER_FILE, META_FILE = "optimizer.pt", "prodrl.json"
@@ -31,10 +33,22 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, dict | None, dict]:
-    """(model, optimizer state or None, meta)."""
+    """(model, optimizer state or None, meta). A file of it that is missing, truncated or corrupt
+    raises an error naming the checkpoint and the file (FileNotFoundError, CorruptFileError)."""
     path = Path(path)
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path} is not a prodrl checkpoint (no {META_FILE})")
+    what = f"checkpoint {path}"
+    with reading(path / META_FILE, what):
+        meta = json.loads((path / META_FILE).read_text())
     opt = path / OPTIMIZER_FILE
-    optimizer_state = torch.load(opt, weights_only=True, map_location="cpu") if opt.exists() else None
-    return load_model(path), optimizer_state, json.loads((path / META_FILE).read_text())
+    with reading(opt, what):
+        optimizer_state = torch.load(opt, weights_only=True, map_location="cpu") if opt.exists() else None
+    with reading(path / CONFIG_NAME, what):  # transformers calls a missing one an unrecognized model
+        json.loads((path / CONFIG_NAME).read_text())
+    for weights in sorted(path.glob("*.safetensors")) or [path / SAFE_WEIGHTS_NAME]:
+        with reading(weights, what), safe_open(weights, "pt") as f:  # parses the header, checks the size
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 (not iterable)
+            if not_float := [k for k, d in dtypes.items() if not d.startswith(("F", "BF"))]:
+                raise ValueError(f"non-float weights {not_float}")  # a garbled dtype would load as bits
+    return load_model(path), optimizer_state, meta

@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -6,9 +7,11 @@ import torch
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.rollout import play
+from prodrl_pipeline.model import build_model
 from prodrl_pipeline.quant.nvfp4 import export_deployment, load_deployment
 from prodrl_pipeline.rl.estimators import TokenInputs
 from prodrl_pipeline.rl.logprobs import Sequences, project_logprobs
+from tests.conftest import TINY
 
 
 def record(
@@ -26,10 +29,21 @@ def record(
     return play(engine, tokenizer, puzzles, params or SamplingParams(), deployment_id="d", round_=1, seed=0)
 
 
-@pytest.fixture
-def recorded(tiny_model, tokenizer, train_puzzles, tmp_path):
+@pytest.fixture(scope="session")
+def _recorded_once(tokenizer, train_puzzles, tmp_path_factory):
+    torch.manual_seed(0)  # the weights of `tiny_model`
+    model = build_model(TINY, len(tokenizer), tokenizer.pad_token_id)
     mate_in_two = [p for p in train_puzzles if "mateIn2" in p.themes][:4]
-    return record(tiny_model, tokenizer, train_puzzles[:4] + mate_in_two, tmp_path, extra_samples=2)
+    return record(
+        model, tokenizer, train_puzzles[:4] + mate_in_two, tmp_path_factory.mktemp("rec"), extra_samples=2
+    )
+
+
+@pytest.fixture
+def recorded(_recorded_once):
+    """Calls `tiny_model` recorded playing 8 puzzles (with 2 extra samples a position): recorded
+    once a session, a fresh copy a test."""
+    return copy.deepcopy(_recorded_once)
 
 
 def token_inputs(theta, tokens, log_mu, support=None, head=None, log_pik=None, adv=1.0, pad=0, extra=None):
