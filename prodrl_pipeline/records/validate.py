@@ -28,8 +28,14 @@ def _numbers(xs: object) -> bool:
 
 
 def _lists_of(check, xs: object) -> bool:
-    """`xs` is a list whose entries are each null or pass `check` (a falsy 0 is not a list)."""
-    return isinstance(xs, list | tuple) and all(x is None or check(x) for x in xs)
+    """`xs` is a list whose entries each pass `check` (a null or a falsy 0 is not a list)."""
+    return isinstance(xs, list | tuple) and all(x is not None and check(x) for x in xs)
+
+
+def _bias_entries(xs: object) -> bool:
+    return isinstance(xs, list | tuple) and all(
+        isinstance(e, dict) and _ints([e.get("token_id")]) and _numbers([e.get("bias")]) for e in xs
+    )
 
 
 def _shape_problem(call: dict) -> str | None:
@@ -48,9 +54,11 @@ def _shape_problem(call: dict) -> str | None:
         return "vocab_size is not an integer"
     sampling = call.get("sampling")
     if sampling is not None and (
-        not isinstance(sampling, dict) or not _numbers([sampling.get("temperature")])
+        not isinstance(sampling, dict)
+        or not _numbers([sampling.get(k) for k in ("temperature", "top_p", "top_k")])
+        or not _bias_entries(sampling.get("logit_bias") or [])
     ):
-        return "sampling is not a record with a numeric temperature"
+        return "sampling is not a record with numeric temperature, top_p, top_k and logit_bias entries"
     return None
 
 
@@ -68,9 +76,13 @@ def call_problem(call: dict) -> str | None:
         return f"per-position columns disagree with {len(completion)} completion ids: {lengths}"
     if any(not 0 <= t < vocab for t in prompt + completion):
         return f"token id outside [0, {vocab})"
-    if not call.get("sampling") or not call["sampling"].get("temperature"):
+    sampling = call.get("sampling") or {}
+    temperature, top_p, top_k = (sampling.get(k) for k in ("temperature", "top_p", "top_k"))
+    if temperature is None or not math.isfinite(temperature) or temperature <= 0:
         return "no sampling temperature > 0: a greedy call has no sampling distribution to train on"
-    for entry in call["sampling"].get("logit_bias") or []:
+    if (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 0):
+        return f"sampling top_p {top_p} outside (0, 1] or top_k {top_k} < 0"
+    for entry in sampling.get("logit_bias") or []:
         token, bias = entry.get("token_id"), entry.get("bias")
         if token is None or not 0 <= token < vocab or bias is None or not -100 <= bias <= 100:
             return f"logit_bias entry {entry} is not a vocabulary id with a bias in [-100, 100]"
@@ -100,7 +112,8 @@ def call_problem(call: dict) -> str | None:
             return f"position {t}: a head log-prob is not finite and <= 0"
         if _logsumexp(head_lp) > HEAD_MASS_TOLERANCE:
             return f"position {t}: the head's probabilities sum to more than 1"
-        kept = set(support) if support else (set(head) if size <= len(head) else None)
+        # the trainer's support (rl/logprobs.py token_support): the head when it holds the support
+        kept = None if size >= vocab else set(head) if size <= len(head) else set(support)
         if kept is not None and any(v not in kept for v in [tok, *(extra[t] if extra else [])]):
             return f"position {t}: a sampled id is outside the recorded support"
         if kept is not None and any(v not in kept for v in head):

@@ -26,6 +26,11 @@ JUNK = st.one_of(
     st.lists(st.lists(st.integers(-5, 20), max_size=4), max_size=4),
     st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=4),
     st.lists(st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=3), max_size=3),
+    st.lists(st.one_of(st.none(), st.integers(-1, 3), st.lists(st.integers(-5, 20), max_size=3)), max_size=3),
+    st.dictionaries(
+        st.sampled_from(["temperature", "top_p", "top_k", "logit_bias"]),
+        st.one_of(st.none(), st.floats(), st.integers(-3, 3), st.lists(st.one_of(st.none(), st.integers()))),
+    ),
 )
 PER_POSITION = ("completion_logprobs", "topk_token_ids", "topk_logprobs", "support_size", "support_token_ids")
 
@@ -35,7 +40,14 @@ PER_POSITION = ("completion_logprobs", "topk_token_ids", "topk_logprobs", "suppo
     st.lists(
         st.tuples(
             st.sampled_from(
-                [*PER_POSITION, "prompt_token_ids", "completion_token_ids", "vocab_size", "sampling"]
+                [
+                    *PER_POSITION,
+                    "prompt_token_ids",
+                    "completion_token_ids",
+                    "extra_token_ids",
+                    "vocab_size",
+                    "sampling",
+                ]
             ),
             JUNK,
         ),

@@ -129,6 +129,9 @@ PER_POSITION_LENGTHS = (
 )
 
 
+SAMPLING_SHAPE = "sampling is not a record with numeric temperature, top_p, top_k and logit_bias entries"
+
+
 def _bias(token, bias) -> dict:
     return {"sampling": SAMPLING | {"logit_bias": [{"token_id": token, "bias": bias}]}}
 
@@ -156,9 +159,9 @@ RULES = [
     (
         "text temperature",
         {"sampling": {"temperature": "1"}},
-        "sampling is not a record with a numeric temperature",
+        SAMPLING_SHAPE,
     ),
-    ("sampling not a record", {"sampling": [1.0]}, "sampling is not a record with a numeric temperature"),
+    ("sampling not a record", {"sampling": [1.0]}, SAMPLING_SHAPE),
     ("empty prompt", {"prompt_token_ids": []}, "empty prompt or completion"),
     ("empty completion", {"completion_token_ids": []}, "empty prompt or completion"),
     (
@@ -185,8 +188,50 @@ RULES = [
             f"logit_bias entry {{'token_id': {t}, 'bias': {b}}} "
             "is not a vocabulary id with a bias in [-100, 100]",
         )
-        for t, b in [(10, 1.0), (-1, 1.0), (None, 1.0), (3, None), (3, 100.5), (3, -100.5)]
+        for t, b in [(10, 1.0), (-1, 1.0), (3, None), (3, 100.5), (3, -100.5)]
     ],
+    ("bias without an id", _bias(None, 1.0), SAMPLING_SHAPE),
+    ("bias id as text", _bias("3", 1.0), SAMPLING_SHAPE),
+    ("bias entry not a record", {"sampling": SAMPLING | {"logit_bias": [None]}}, SAMPLING_SHAPE),
+    ("bias entry a number", {"sampling": SAMPLING | {"logit_bias": [3]}}, SAMPLING_SHAPE),
+    ("text top_p", {"sampling": SAMPLING | {"top_p": "0.9"}}, SAMPLING_SHAPE),
+    *[
+        (
+            f"temperature {t}",
+            {"sampling": SAMPLING | {"temperature": t}},
+            "no sampling temperature > 0: a greedy call has no sampling distribution to train on",
+        )
+        for t in (float("nan"), float("inf"), -1.0)
+    ],
+    ("top_p 0", {"sampling": SAMPLING | {"top_p": 0.0}}, "sampling top_p 0.0 outside (0, 1] or top_k 0 < 0"),
+    (
+        "top_p > 1",
+        {"sampling": SAMPLING | {"top_p": 1.5}},
+        "sampling top_p 1.5 outside (0, 1] or top_k 0 < 0",
+    ),
+    (
+        "top_k < 0",
+        {"sampling": SAMPLING | {"top_k": -1}},
+        "sampling top_p 1.0 outside (0, 1] or top_k -1 < 0",
+    ),
+    (
+        "null head log-probs",
+        {"topk_logprobs": [None, [0.0]]},
+        "topk_logprobs is not a list of lists of numbers",
+    ),
+    (
+        "null support",
+        {"support_token_ids": [[4, 6, 7], None]},
+        "support_token_ids is not a list of lists of integers",
+    ),
+    ("null extra", {"extra_token_ids": [None, [5]]}, "extra_token_ids is not a list of lists of integers"),
+    # the head holds the whole support (size <= K): the trainer trains over the head, whatever
+    # support list came with it, so a sampled id outside the head is outside the support
+    (
+        "sampled outside a head that holds the support",
+        {"completion_token_ids": [7, 5], "support_size": [2, 1], "completion_logprobs": [-2.0, 0.0]},
+        "position 0: a sampled id is outside the recorded support",
+    ),
     ("extra at one position", {"extra_token_ids": [[4]]}, "extra samples recorded for 1 of 2 positions"),
     (
         "ragged extra",
