@@ -235,8 +235,8 @@ class LandingLog:
         by_table = (
             {table: pa.concat_tables(rows) for table, rows in held.items()} if held else self._read(path)
         )
-        for table, rows in by_table.items():
-            self.store.append(table, rows, transaction=(self.app_id, seq), check=check)
+        for table in [t for t in TABLE_OF.values() if t in by_table]:  # calls before their feedback
+            self.store.append(table, by_table[table], transaction=(self.app_id, seq), check=check)
         path.unlink()
         n = sum(len(r) for r in by_table.values())
         self.committed_records += n

@@ -10,12 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyarrow as pa
-from deltalake import QueryBuilder
 
 from prodrl_pipeline.records.queries import SQL_DIR
 from prodrl_pipeline.records.store import SAFE_ID, DeltaStore
 
 LANDING = ("landing_calls", "landing_feedback")
+
+
+def _latest_versions(store: DeltaStore) -> dict[str, int]:
+    """The landing tables' latest versions, feedback pinned first: the landing log commits a
+    segment's calls before its feedback, so every call of a trajectory whose reward is visible at
+    the pinned feedback version is visible at the (later) pinned calls version."""
+    feedback = store.table("landing_feedback").version()
+    return {"landing_calls": store.table("landing_calls").version(), "landing_feedback": feedback}
 
 
 @dataclass
@@ -38,11 +45,7 @@ def _snapshot_query(store: DeltaStore, round_: int, deployment_id: str, limit: i
 
 
 def _run(store: DeltaStore, sql: str, versions: dict[str, int]) -> pa.Table:
-    qb = QueryBuilder()
-    for t in LANDING:
-        qb.register(t, store.table(t, versions[t]))
-    qb.register("trajectories", store.table("trajectories"))
-    return pa.table(qb.execute(sql).read_all())
+    return store.query(sql, [*LANDING, "trajectories"], versions)
 
 
 def count_available(
@@ -53,7 +56,7 @@ def count_available(
     columns, cheap enough for a sensor tick. (0, {}) before any traffic has landed."""
     if not all(store.exists(t) for t in LANDING):
         return 0, {}
-    versions = {t: store.table(t).version() for t in LANDING}
+    versions = _latest_versions(store)
     sql = f"SELECT count(*) AS n FROM ({_snapshot_query(store, round_, deployment_id, limit)}) s"
     return _run(store, sql, versions).column("n")[0].as_py(), versions
 
@@ -67,7 +70,7 @@ def snapshot_production(
         raise RuntimeError(
             f"no production traffic yet: {missing} missing under {store.root}; is the gateway recording?"
         )
-    versions = versions or {t: store.table(t).version() for t in LANDING}
+    versions = versions or _latest_versions(store)
     rows = _run(store, _snapshot_query(store, round_, deployment_id, limit), versions).to_pylist()
     chosen = {r["trajectory_id"] for r in rows}
     calls = [

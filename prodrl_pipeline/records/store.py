@@ -171,12 +171,14 @@ class DeltaStore:
                 data = data.append_column(field.name, pa.nulls(data.num_rows, field.type))
         return data.select(schema.names).cast(schema)
 
-    def query(self, sql: str, tables: Sequence[str]) -> pa.Table:
-        """Run DataFusion SQL over the named tables (each registered under its own name)."""
+    def query(self, sql: str, tables: Sequence[str], versions: Mapping[str, int] | None = None) -> pa.Table:
+        """Run DataFusion SQL over the named tables (each registered under its own name, at its
+        pinned version in `versions` if it has one, else the latest)."""
         qb = QueryBuilder()
         for name in tables:
-            qb.register(name, self.table(name))
-        return pa.table(qb.execute(sql).read_all())
+            qb.register(name, self.table(name, (versions or {}).get(name)))
+        with self._reading(", ".join(tables)):  # the log's per-file stats are parsed only now
+            return pa.table(qb.execute(sql).read_all())
 
     def maintain(self, table: str, retention_hours: int) -> dict:
         """Compact small files, vacuum files unreferenced for `retention_hours` (keep it >= the

@@ -3,6 +3,7 @@ pinned snapshot reads the same rows again, and that traffic landing while rounds
 exactly once."""
 
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -119,27 +120,59 @@ def test_traffic_landing_while_rounds_snapshot_is_taken_once(tmp_path):
     writer = threading.Thread(target=traffic)
     writer.start()
     taken: dict[str, int] = {}
-    round_ = 0
-    while not stop.is_set() or round_ == 0 or log.pending:
-        round_ += 1
-        if not all(store.exists(t) for t in ("landing_calls", "landing_feedback")):
-            stop.wait(0.01)
-            round_ -= 1
-            continue
+    round_, deadline = 0, time.monotonic() + 120
+
+    def take(round_: int) -> list[dict]:
         snap = snapshot_production(store, round_, "d", limit=25)
-        calls = {}
+        calls: dict[str, int] = {}
         for c in snap.calls:
             calls[c["trajectory_id"]] = calls.get(c["trajectory_id"], 0) + 1
-        assert all(calls.get(t["trajectory_id"]) == t["n_calls"] == 2 for t in snap.trajectories)
         for t in snap.trajectories:
+            assert calls.get(t["trajectory_id"]) == t["n_calls"] == 2, f"round {round_}: {t} partial"
             assert t["trajectory_id"] not in taken, f"round {round_} took {t['trajectory_id']} again"
             taken[t["trajectory_id"]] = round_
         store.overwrite_round("trajectories", snap.trajectories, round_)
-    writer.join()
-    log.stop()
-    while snap := snapshot_production(store, round_ + 1, "d", limit=25).trajectories:  # what is left
-        round_ += 1
-        taken.update({t["trajectory_id"]: round_ for t in snap})
-        store.overwrite_round("trajectories", snap, round_)
+        return snap.trajectories
+
+    try:
+        while not stop.is_set() or log.pending:  # rounds while the traffic lands
+            assert time.monotonic() < deadline, "the traffic did not land in time"
+            if all(store.exists(t) for t in ("landing_calls", "landing_feedback")):
+                round_ += 1
+                take(round_)
+            else:
+                stop.wait(0.01)
+    finally:
+        stop.set()
+        writer.join()
+        log.stop()
+    for later in range(round_ + 1, round_ + 2 + n // 25):  # what is left, 25 a round
+        if not take(later):
+            break
     assert sorted(taken) == sorted(f"t{i}" for i in range(n))
     assert store.read("trajectories").num_rows == n
+
+
+def test_a_trajectory_completed_between_the_two_version_reads_is_taken_whole_or_not_at_all(tmp_path):
+    """The landing log commits a trajectory's last call, then its reward, while a snapshot pins the
+    two landing tables' versions one after the other: the snapshot must not take the trajectory
+    with its first call only (its n_calls would then be 1, and the second call lost to training)."""
+
+    class Landing(DeltaStore):
+        landed = False
+
+        def table(self, table, version=None):
+            dt = super().table(table, version)
+            if table in ("landing_calls", "landing_feedback") and version is None and not self.landed:
+                self.landed = True  # between the first and the second version read
+                self.append("landing_calls", [_served(1, index=1)])
+                self.append("landing_feedback", [_scored(1, 1.0)])
+            return dt
+
+    store = Landing(tmp_path)
+    store.append("landing_calls", [_served(1)])
+    store.append("landing_feedback", [_scored(2, 1.0)])
+    snap = snapshot_production(store, 1, "d", limit=10)
+    assert [t["trajectory_id"] for t in snap.trajectories] == []  # its reward was not visible yet
+    later = snapshot_production(store, 1, "d", limit=10)
+    assert [(t["trajectory_id"], t["n_calls"]) for t in later.trajectories] == [("t1", 2)]
