@@ -26,11 +26,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from prodrl_pipeline.folders import reading
+from prodrl_pipeline.folders import CorruptFileError, reading
 
 BLOCK = 16
 QUANTIZED = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+TIED_HEAD = "lm_head.weight"  # absent from an export of a model whose head is its embedding
 
 
 @cache
@@ -96,8 +97,10 @@ def dequantize_state(exported: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
             continue
         base = name.removesuffix(".weight")
-        if name.endswith(".weight") and t.dtype == torch.uint8:  # two E2M1 codes a byte
-            scales = (f"{base}.weight_scale", f"{base}.weight_scale_2")
+        scales = (f"{base}.weight_scale", f"{base}.weight_scale_2")
+        if name.endswith(".weight") and (t.dtype == torch.uint8 or any(s in exported for s in scales)):
+            if t.dtype != torch.uint8:
+                raise ValueError(f"{name} has NVFP4 scales but is {t.dtype}, not two E2M1 codes a byte")
             if missing := [s for s in scales if s not in exported]:
                 raise ValueError(f"{name} holds NVFP4 codes but {' and '.join(missing)} is missing")
             shape = (t.shape[0], t.shape[1] * 2)
@@ -134,7 +137,10 @@ def export_deployment(
     path.mkdir(parents=True, exist_ok=True)
     if quant_format == "none":
         model.config.save_pretrained(path)
-        state = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        tied = model.config.tie_word_embeddings  # then lm_head is the embedding, saved once
+        state = {
+            k: v.detach().clone() for k, v in model.state_dict().items() if not (tied and k == TIED_HEAD)
+        }
         save_file(state, str(path / "model.safetensors"))
         return
     quantized = copy.deepcopy(model).float().eval()
@@ -171,10 +177,12 @@ def load_deployment(path: str | Path) -> PreTrainedModel:
     if quant_config.exists():
         with reading(quant_config, what):
             json.loads(quant_config.read_text())  # vLLM parses it too
-        with reading(weights, what):  # a tensor it lacks
+        try:
             state = dequantize_state(state)
+        except ValueError as e:  # a scale it lacks, or codes of another format
+            raise CorruptFileError(f"{what}: {weights.name} is corrupt ({e})") from e
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+    if unexpected or [m for m in missing if not (config.tie_word_embeddings and m == TIED_HEAD)]:
         raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     return model.eval()

@@ -168,3 +168,29 @@ def test_exports_refuse_what_they_cannot_write(tiny_model, tmp_path):
         r"unexpected \['model.extra.weight'\]$",
     ):
         load_deployment(tmp_path / "none")
+
+
+def test_an_untied_head_is_exported_and_served(tokenizer, tmp_path):
+    from prodrl_pipeline.model import build_model
+    from tests.conftest import TINY
+
+    model = build_model(TINY, len(tokenizer), tokenizer.pad_token_id)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
+    export_deployment(model, tmp_path / "none", "none")
+    served = load_deployment(tmp_path / "none")
+    assert torch.equal(served.lm_head.weight, model.lm_head.weight)
+    assert not torch.equal(served.lm_head.weight, served.model.embed_tokens.weight)
+    state = load_file(str(tmp_path / "none" / "model.safetensors"))
+    del state["lm_head.weight"]
+    save_file(state, str(tmp_path / "none" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):  # not a random head
+        load_deployment(tmp_path / "none")
+
+
+def test_codes_of_another_format_under_nvfp4_scales_are_refused(tiny_model):
+    state = quantize_state({k: v for k, v in tiny_model.state_dict().items() if QUANTIZED.match(k)})
+    q = "model.layers.0.self_attn.q_proj.weight"
+    state[q] = state[q].view(torch.float8_e4m3fn)  # FP8 codes where NVFP4 codes belong
+    with pytest.raises(ValueError, match=f"^{q} has NVFP4 scales but is torch.float8_e4m3fn, not two E2M1"):
+        dequantize_state(state)
