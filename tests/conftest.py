@@ -25,10 +25,15 @@ def train_puzzles():
     return list(iter_lab_puzzles("data", "train"))
 
 
-@pytest.fixture
-def tiny_model(tokenizer):
+def build_tiny(tokenizer):
+    """The tests' tiny model, the same weights every time."""
     torch.manual_seed(0)
     return build_model(TINY, len(tokenizer), tokenizer.pad_token_id)
+
+
+@pytest.fixture
+def tiny_model(tokenizer):
+    return build_tiny(tokenizer)
 
 
 def pytest_collection_modifyitems(config, items):

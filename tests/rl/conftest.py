@@ -7,11 +7,10 @@ import torch
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.rollout import play
-from prodrl_pipeline.model import build_model
 from prodrl_pipeline.quant.nvfp4 import export_deployment, load_deployment
 from prodrl_pipeline.rl.estimators import TokenInputs
 from prodrl_pipeline.rl.logprobs import Sequences, project_logprobs
-from tests.conftest import TINY
+from tests.conftest import build_tiny
 
 
 def record(
@@ -31,8 +30,7 @@ def record(
 
 @pytest.fixture(scope="session")
 def _recorded_once(tokenizer, train_puzzles, tmp_path_factory):
-    torch.manual_seed(0)  # the weights of `tiny_model`
-    model = build_model(TINY, len(tokenizer), tokenizer.pad_token_id)
+    model = build_tiny(tokenizer)  # the weights of `tiny_model`
     mate_in_two = [p for p in train_puzzles if "mateIn2" in p.themes][:4]
     return record(
         model, tokenizer, train_puzzles[:4] + mate_in_two, tmp_path_factory.mktemp("rec"), extra_samples=2

@@ -104,7 +104,9 @@ def test_extra_samples_are_kept_where_ids_agree_and_become_the_token_itself_afte
     from prodrl_pipeline.rl.retokenize import retokenize_call
 
     call = recorded.calls[0]
-    extra = [[t, t] for t in call["completion_token_ids"]]
+    extra = [
+        [10_000 + t, 20_000 + t] for t in range(len(call["completion_token_ids"]))
+    ]  # told apart from tokens
     whole = retokenize_call({**call, "extra_token_ids": extra}, tokenizer)
     agree = sum(
         a == b for a, b in zip(whole["completion_token_ids"], call["completion_token_ids"], strict=False)
