@@ -256,3 +256,55 @@ def test_ref_is_weights_by_the_reference_not_by_mu_and_kl_beta_pulls_toward_pi_k
         objective(x, EstimatorConfig(type="reinforce", kl_beta=0.5))[0].sum(), x.logprobs
     )
     assert torch.all(g1 < g0)
+
+
+def test_the_trust_region_averages_over_free_tokens_and_keeps_a_trajectory_exactly_at_delta():
+    from prodrl_pipeline.rl.estimators import bernoulli_kl
+
+    lp = torch.log(torch.tensor([0.5, 0.5, 0.4, 0.9]))
+    lmu = torch.log(torch.tensor([0.5, 0.25, 0.4, 0.3]))
+    x = TokenInputs(
+        lp, lmu, lp, torch.ones(4), torch.tensor([0, 0, 1, 1]), torch.tensor([True, True, False, True])
+    )
+    x.complement_logprobs = torch.log1p(-lp.exp())
+    kl3 = bernoulli_kl(lmu[3:], lp[3:], x.complement_logprobs[3:])  # trajectory 1's only free token
+
+    def dropped(delta: float) -> list[bool]:
+        cfg = EstimatorConfig(type="token_is", trust_region=True, trust_region_delta=delta)
+        return objective(x, cfg)[1]["dropped"].tolist()
+
+    assert dropped(0.75 * float(kl3)) == [False, False, True, True]  # its mean is its one KL, not KL / 2
+    assert dropped(float(kl3)) == [False, False, False, False]  # exactly at delta is inside the region
+    x.complement_logprobs = None
+    with pytest.raises(
+        ValueError, match=r"^the trust region needs complement_logprobs, log\(1 - pi_S\(a\)\), from"
+    ):
+        dropped(1.0)
+
+
+def test_bernoulli_kl_takes_log_q_from_the_side_where_it_is_exact():
+    from prodrl_pipeline.rl.estimators import bernoulli_kl
+
+    def by_hand(p, q_first, q_second):  # q as the first term reads it, 1 - q as the second does
+        return p * math.log(p / q_first) + (1 - p) * math.log((1 - p) / q_second)
+
+    lp = torch.log(torch.tensor([0.3, 0.3], dtype=torch.float64))
+    # q < 1/2: log q is the one given; q > 1/2: it is log(1 - exp(log(1 - q))), from the complement
+    log_q = torch.log(torch.tensor([0.2, 0.5], dtype=torch.float64))  # the second one inexact on purpose
+    log1m_q = torch.log(torch.tensor([0.7, 0.4], dtype=torch.float64))
+    got = bernoulli_kl(lp, log_q, log1m_q).tolist()
+    assert got == pytest.approx([by_hand(0.3, 0.2, 0.7), by_hand(0.3, 0.6, 0.4)], rel=1e-12)
+    # p = 0 and p = 1 have one term only (no 0 * log 0 = NaN)
+    edge = bernoulli_kl(torch.tensor([-math.inf, 0.0]), torch.log(torch.tensor([0.25, 0.25])))
+    assert edge.tolist() == pytest.approx([-math.log(0.75), -math.log(0.25)], rel=1e-6)
+
+
+def test_ref_is_without_a_reference_says_where_it_comes_from():
+    x = TokenInputs(
+        *(torch.zeros(1) for _ in range(4)), torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.bool)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^ref_is needs reference_logprobs \(the trainer computes them from the deployment\)$",
+    ):
+        objective(x, EstimatorConfig(type="ref_is"))
