@@ -40,12 +40,13 @@ test: install system-packages  ## the test suite (slow experiments excluded)
 test-slow: install
 	$(BIN)/pytest -q -m slow
 
-# Mutation testing of the decision code (pyproject.toml [tool.mutmut], docs/reliability.md): hours on
-# 2 cores, so not in CI. MUTANTS='prodrl_pipeline.evals.gate.*' re-tests a subset incrementally.
+# Mutation testing of the decision code (pyproject.toml [tool.mutmut], docs/reliability.md): long on
+# 2 cores, so not in CI. One torch thread a mutant, two mutants at once (two torch threads each on
+# two busy cores spin and run 50x slower). MUTANTS='prodrl_pipeline.evals.gate.*' re-tests a subset.
 mutation: install
 	$(BIN)/pip install --quiet -c constraints.txt 'mutmut==3.8.1'
 	$(if $(MUTANTS),,rm -rf mutants)
-	env -u PYTHONPATH $(BIN)/mutmut run --max-children 2 $(MUTANTS)
+	env -u PYTHONPATH OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children 2 $(MUTANTS)
 	$(BIN)/python scripts/mutation_score.py --json mutants/score.json
 
 ui: install $(DAGSTER_HOME)/dagster.yaml  ## Dagster UI + daemon on http://127.0.0.1:3000 over the demo's instance

@@ -1,21 +1,53 @@
 """The fault suite's child: `python -m tests.faults.round_child ROOT` materializes round 1 of the
 tiny lab on the instance in $DAGSTER_HOME and the store under ROOT (the base model must be built),
-printing `ready` once its imports are done, so the parent can time its SIGKILL from there."""
+printing `ready` once its imports are done, so the parent can time its SIGKILL from there. With
+KILL_AFTER set it SIGKILLs itself right after that commit lands: `checkpoints` (the checkpoint
+registered, its resumable state not yet cleared), `deployments` (the export registered, live not
+moved) or `live` (live moved to the round's deployment, the evaluation not run)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 from dagster import DagsterInstance, materialize
 
 from assets.partitions import round_key
+from prodrl_pipeline.records.store import DeltaStore
 from tests.test_pipeline import ASSETS, ROUND, _resources
 
 CHILD_LAB = {"steps": 3, "resume_every": 1}
 """Three steps, a resumable state after each: a kill inside training can resume."""
 
 
+def _die_after(commit: str) -> None:
+    """Patch the store so that the process is SIGKILLed right after `commit` lands."""
+    die = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    if commit == "live":
+        move_live = DeltaStore.move_live
+
+        def moved(self, *args, **kwargs):  # noqa: ANN001, ANN202
+            if move_live(self, *args, **kwargs):
+                die()
+            return False
+
+        DeltaStore.move_live = moved
+        return
+    overwrite = DeltaStore.overwrite
+
+    def overwritten(self, table, *args, **kwargs):  # noqa: ANN001, ANN202
+        n = overwrite(self, table, *args, **kwargs)
+        if table == commit:
+            die()
+        return n
+
+    DeltaStore.overwrite = overwritten
+
+
 def main() -> None:
+    if commit := os.environ.get("KILL_AFTER"):
+        _die_after(commit)
     resources = _resources(sys.argv[1], **CHILD_LAB)
     instance = DagsterInstance.get()
     print("ready", flush=True)

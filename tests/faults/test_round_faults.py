@@ -34,6 +34,8 @@ from tests.test_pipeline import _resources
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ("trajectories", "advantages", "checkpoint", "deployment", "eval_report")
 """One kill inside each, at a random moment of the step's uninterrupted duration."""
+COMMITS = {"checkpoints": "checkpoint", "live": "deployment"}
+"""Kills aimed right after a commit (tests/faults/round_child.py), and the step it lands in."""
 KEYS = {  # what makes a row unique in each table the round writes
     "calls": ("call_id",),
     "trajectories": ("trajectory_id",),
@@ -68,8 +70,8 @@ def _stop(child: subprocess.Popen) -> None:
     child.wait()
 
 
-def _child(root: Path, home: Path, logs: int = subprocess.DEVNULL) -> subprocess.Popen:
-    env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(REPO)}
+def _child(root: Path, home: Path, logs: int = subprocess.DEVNULL, kill_after: str = "") -> subprocess.Popen:
+    env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(REPO), "KILL_AFTER": kill_after}
     command = [sys.executable, "-m", "tests.faults.round_child", str(root)]
     return subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=logs, text=True, start_new_session=True
@@ -209,6 +211,19 @@ def test_a_round_killed_inside_each_stage_and_re_run_loses_and_doubles_nothing(t
         _run_to_end(root, home)
         table[stage]["re-runs completed"] += 1
         table[stage].update(_invariants(root, reference))
+    for commit, step in COMMITS.items():  # aimed: right after a registry or live-pointer commit
+        root, home = tmp_path / f"root-{commit}", tmp_path / f"home-{commit}"
+        shutil.copytree(template, root)
+        shutil.copytree(home_template, home)
+        child = _child(root, home, kill_after=commit)
+        assert child.wait(timeout=600) == -signal.SIGKILL, f"the round ended before the {commit} commit"
+        assert _killed_in(home) == step
+        stage = f"{step}, right after the {commit} commit"
+        table[stage]["kills"] += 1
+        _run_to_end(root, home)
+        table[stage]["re-runs completed"] += 1
+        table[stage].update(_invariants(root, reference))
+        assert DeltaStore(root / "tables").live_deployment()["deployment_id"] == "main-r000001"
     root, home = tmp_path / "root-resume", tmp_path / "home-resume"  # aimed: training after a save
     shutil.copytree(template, root)
     shutil.copytree(home_template, home)
@@ -222,9 +237,9 @@ def test_a_round_killed_inside_each_stage_and_re_run_loses_and_doubles_nothing(t
     resumed = json.loads((Path(ckpt["path"]) / META_FILE).read_text()).get("resumed_after_steps")
     assert resumed is not None or not resumable, "the re-run trained from the start instead of resuming"
     print(f"\nround: {round_seconds:.1f} s uninterrupted; the aimed kill resumed after {resumed} steps")
-    print(f"{'killed in':36} kills  re-runs  calls lost  duplicate rows")
+    print(f"{'killed in':48} kills  re-runs  calls lost  duplicate rows")
     for stage, n in sorted(table.items()):
-        print(f"{stage:36} {n['kills']:5}  {n['re-runs completed']:7}  {n['lost']:10}  {n['duplicated']:14}")
-    assert sum(n["kills"] for n in table.values()) == len(STAGES) + 1
-    assert sum(n["re-runs completed"] for n in table.values()) == len(STAGES) + 1
+        print(f"{stage:48} {n['kills']:5}  {n['re-runs completed']:7}  {n['lost']:10}  {n['duplicated']:14}")
+    assert sum(n["kills"] for n in table.values()) == len(STAGES) + len(COMMITS) + 1
+    assert sum(n["re-runs completed"] for n in table.values()) == len(STAGES) + len(COMMITS) + 1
     assert all(n["lost"] == n["duplicated"] == 0 for n in table.values())
