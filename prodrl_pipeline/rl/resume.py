@@ -41,7 +41,7 @@ def data_digest(calls: list[dict], advantages: list[dict]) -> str:
     h = hashlib.sha256()
     for c in sorted(calls, key=lambda c: c["call_id"]):
         ids = [c["call_id"], c["trajectory_id"], list(c["prompt_token_ids"]), list(c["completion_token_ids"])]
-        h.update(json.dumps([*ids, list(c["completion_logprobs"]), c["sampling"]], default=str).encode())
+        h.update(json.dumps([*ids, list(c["completion_logprobs"]), c["sampling"]]).encode())
     for a in sorted(advantages, key=lambda a: a["trajectory_id"]):
         h.update(json.dumps([a["trajectory_id"], a["minibatch"], a["advantage"]]).encode())
     return h.hexdigest()

@@ -38,6 +38,8 @@ def test_token_integrity_passes_sound_rounds_and_counts_each_fault():
     assert not passed and meta["n_calls_mismatch"] == 1
     passed, meta = token_integrity(calls + [_call("orphan")], trajs)
     assert not passed and meta["calls_without_trajectory"] == 1 and meta["calls"] == 3
+    two = [_call("c"), _call("c", call_id="c-1", call_index=1)]  # a trajectory of two calls
+    assert token_integrity(two, [_traj("c", n_calls=2)])[0]
 
 
 def _adv(tid, advantage, minibatch=0):
@@ -57,7 +59,18 @@ def test_advantage_sanity_wants_one_finite_advantage_per_known_trajectory_summin
         "minibatches": 2,
     }
     assert advantage_sanity(rows[:2], ids)[0]  # a subset of the round's trajectories is fine
-    assert advantage_sanity([], ids)[0] is False
+    assert advantage_sanity([], ids) == (
+        False,
+        {
+            "rows": 0,
+            "nonfinite": 0,
+            "duplicates": 0,
+            "unknown_trajectories": 0,
+            "max_abs_minibatch_sum": 0.0,
+            "minibatches": 0,
+        },
+    )
+    assert not advantage_sanity([_adv("a", 1e-6), _adv("b", 0.0)], ids)[0]  # 1e-6 is already off zero
 
     passed, meta = advantage_sanity([_adv("a", 0.5 + 9e-7), _adv("b", -0.5)], ids)
     assert passed and meta["max_abs_minibatch_sum"] == pytest.approx(9e-7)  # float error tolerated
@@ -96,6 +109,8 @@ def test_mismatch_monitor_warns_on_a_high_round_and_on_a_sustained_rise_above_th
     # only the last SUSTAINED_ROUNDS + 1 rounds count: an early dip does not break a later rise
     dip = [_step(1, 0.5), _step(2, 0.1), _step(3, 0.2), _step(4, 0.3), _step(5, 0.4)]
     assert mismatch_monitor(dip, 5, 0.01, 1.0)[1] is True
+    fine = [_step(1, 0.1234567)]
+    assert mismatch_monitor(fine, 1, 1.0, 1.0)[2]["recent_engine_mismatch"] == "[0.12346]"  # 5 decimals
 
     passed, sustained, meta = mismatch_monitor([_step(1, 0.0, staleness=2.0)], 1, 0.1, 1.5)
     assert not passed and not sustained and meta["staleness"] == 2.0
