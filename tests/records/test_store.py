@@ -196,25 +196,21 @@ def test_registry_ids_rows_lineage_and_lookup(tmp_path):
         lookup(store, "checkpoints", "checkpoint_id", "nope")
 
     sampling = '{"temperature": 1.0}'
-    register_deployment(
-        store,
-        deployment_id="base",
-        round_=0,
-        checkpoint_id="base",
-        path="/d0",
-        quant_format="nvfp4",
-        sampling_json=sampling,
-    )
+
+    def deploy(dep_id: str, round_: int, path: str, quant_format: str) -> None:
+        register_deployment(
+            store,
+            deployment_id=dep_id,
+            round_=round_,
+            checkpoint_id=dep_id,
+            path=path,
+            quant_format=quant_format,
+            sampling_json=sampling,
+        )
+
+    deploy("base", 0, "/d0", "nvfp4")
     store.set_live("base")
-    register_deployment(
-        store,
-        deployment_id="exp-r000001",
-        round_=1,
-        checkpoint_id="exp-r000001",
-        path="/d1",
-        quant_format="bf16",
-        sampling_json=sampling,
-    )
+    deploy("exp-r000001", 1, "/d1", "bf16")
     row = lookup(store, "deployments", "deployment_id", "exp-r000001")
     assert row["live"] is False  # a new deployment is not live until set_live
     assert {k: row[k] for k in ("round", "checkpoint_id", "path", "quant_format", "sampling_json")} == {
@@ -225,23 +221,7 @@ def test_registry_ids_rows_lineage_and_lookup(tmp_path):
         "sampling_json": sampling,
     }
     # re-registering the live deployment keeps it live; re-registering another keeps it not live
-    register_deployment(
-        store,
-        deployment_id="base",
-        round_=0,
-        checkpoint_id="base",
-        path="/d0b",
-        quant_format="nvfp4",
-        sampling_json=sampling,
-    )
+    deploy("base", 0, "/d0b", "nvfp4")
     assert store.live_deployment()["path"] == "/d0b"
-    register_deployment(
-        store,
-        deployment_id="exp-r000001",
-        round_=1,
-        checkpoint_id="exp-r000001",
-        path="/d1",
-        quant_format="bf16",
-        sampling_json=sampling,
-    )
+    deploy("exp-r000001", 1, "/d1", "bf16")
     assert store.live_deployment()["deployment_id"] == "base" and store.read("deployments").num_rows == 2
