@@ -36,7 +36,7 @@ def _snapshot_query(store: DeltaStore, round_: int, deployment_id: str, limit: i
     if not SAFE_ID.fullmatch(deployment_id):
         raise ValueError(f"deployment id {deployment_id!r} must match {SAFE_ID.pattern}")
     if not store.exists("trajectories"):
-        store.overwrite("trajectories", [], "round = 0")  # an empty table, so the SQL can exclude taken ids
+        store.append("trajectories", [])  # an empty table, so the SQL can exclude taken ids
     return (
         (SQL_DIR / "production_snapshot.sql")
         .read_text()

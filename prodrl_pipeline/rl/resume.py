@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +70,8 @@ def load_state(folder: Path, fingerprint: dict) -> ResumeState | None:
             return None
         state = torch.load(folder / STATE_FILE, weights_only=True, map_location="cpu")
         return ResumeState(state["model"], state["optimizer"], meta["cursor"], meta["rows"])
-    except (OSError, ValueError, KeyError, RuntimeError, EOFError):  # none, or unreadable: start over
+    except (OSError, ValueError, KeyError, RuntimeError, EOFError, pickle.UnpicklingError):  # none, or
+        # unreadable (a state holding anything but tensors is refused unread): start over
         return None
 
 

@@ -89,13 +89,13 @@ def test_a_round_takes_scored_trajectories_served_wholly_by_its_deployment(tmp_p
     assert count_available(store, 1, "d", 2)[0] == 2
 
     # later traffic does not change a snapshot pinned to its versions
-    store.append("landing_calls", [_served(8, minutes=-5)])
+    store.append("landing_calls", [_served(8, minutes=-5), _served(1, index=2, minutes=10)])
     store.append("landing_feedback", [_scored(8, 1.0), _scored(7, 0.0, 9)])
     again = snapshot_production(store, 1, "d", 10, versions=snap.versions)
     assert again.trajectories == snap.trajectories and again.calls == snap.calls
     latest = snapshot_production(store, 1, "d", 10)
     assert [t["trajectory_id"] for t in latest.trajectories] == ["t8", "t7", "t1", "t6"]
-    assert latest.trajectories[1]["reward"] == 0.0
+    assert latest.trajectories[1]["reward"] == 0.0 and latest.trajectories[2]["n_calls"] == 3
     assert latest.versions == {"landing_calls": 1, "landing_feedback": 1}
     with pytest.raises(ValueError, match="deployment id \"d' OR '1\" must match"):
         snapshot_production(store, 1, "d' OR '1", 10)
@@ -169,9 +169,15 @@ def test_a_trajectory_completed_between_the_two_version_reads_is_taken_whole_or_
                 self.append("landing_feedback", [_scored(1, 1.0)])
             return dt
 
-    store = Landing(tmp_path)
-    store.append("landing_calls", [_served(1)])
-    store.append("landing_feedback", [_scored(2, 1.0)])
+    for count in (True, False):
+        store = Landing(tmp_path / str(count))
+        store.append("landing_calls", [_served(1)])
+        store.append("landing_feedback", [_scored(2, 1.0)])
+        if count:  # the sensor's count is of the versions it returns
+            assert count_available(store, 1, "d", limit=10) == (
+                0,
+                {"landing_calls": 0, "landing_feedback": 0},
+            )
     snap = snapshot_production(store, 1, "d", limit=10)
     assert [t["trajectory_id"] for t in snap.trajectories] == []  # its reward was not visible yet
     later = snapshot_production(store, 1, "d", limit=10)

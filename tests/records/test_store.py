@@ -225,3 +225,33 @@ def test_registry_ids_rows_lineage_and_lookup(tmp_path):
     assert store.live_deployment()["path"] == "/d0b"
     deploy("exp-r000001", 1, "/d1", "bf16")
     assert store.live_deployment()["deployment_id"] == "base" and store.read("deployments").num_rows == 2
+
+
+def test_registry_rows_are_stamped_in_utc_whatever_the_machine_s_zone(tmp_path, monkeypatch):
+    import time
+
+    from prodrl_pipeline.records.registry import lookup, register_checkpoint, register_deployment
+
+    monkeypatch.setenv("TZ", "Asia/Tokyo")  # 9 hours ahead: a local-time stamp would be in the future
+    time.tzset()
+    try:
+        store = DeltaStore(tmp_path)
+        before = datetime.now(UTC)
+        register_checkpoint(
+            store, checkpoint_id="base", round_=0, experiment="e", parent_id=None, path="/b", step=0
+        )
+        register_deployment(
+            store,
+            deployment_id="base",
+            round_=0,
+            checkpoint_id="base",
+            path="/d",
+            quant_format="none",
+            sampling_json="{}",
+        )
+        after = datetime.now(UTC)
+        for table, key in (("checkpoints", "checkpoint_id"), ("deployments", "deployment_id")):
+            assert before <= lookup(store, table, key, "base")["created_at"] <= after, table
+    finally:
+        monkeypatch.undo()
+        time.tzset()

@@ -95,3 +95,26 @@ def test_an_unreadable_or_partial_state_is_ignored(tiny_model, tmp_path):
     (tmp_path / "s" / "resume.json").write_text('{"cursor": 1, "rows": []}')  # no fingerprint
     assert load_state(tmp_path / "s", {"parent": "base"}) is None
     assert load_state(tmp_path / "missing", {"parent": "base"}) is None
+
+
+def test_a_state_holding_anything_but_tensors_is_refused_unread_and_clearing_is_idempotent(
+    tiny_model, tmp_path
+):
+    import datetime
+    from pathlib import Path
+
+    cfg = TrainerConfig(steps=1, batch_size=2)
+    opt = make_optimizer(tiny_model, cfg, None)
+    rows = [{"step": 1, "at": datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC)}]
+    fingerprint = {"parent": Path("/ckpt/base"), "trainer": {"lr": 1e-3}}  # not JSON types: kept as text
+    save_state(tmp_path / "s", tiny_model, opt, 1, rows, fingerprint)
+    state = load_state(tmp_path / "s", {"parent": Path("/ckpt/base"), "trainer": {"lr": 1e-3}})
+    assert state.rows == [{"step": 1, "at": "2026-12-01 00:00:00+00:00"}]
+    assert load_state(tmp_path / "s", {"parent": Path("/ckpt/other"), "trainer": {"lr": 1e-3}}) is None
+    torch.save(
+        {"model": {"w": torch.zeros(1)}, "optimizer": Killed()}, tmp_path / "s" / "state.pt"
+    )  # a pickle
+    assert load_state(tmp_path / "s", fingerprint) is None
+    clear_state(tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+    clear_state(tmp_path / "s")  # nothing left to clear is not an error
