@@ -145,6 +145,7 @@ def test_weight_error_is_the_relative_error_of_what_the_export_serves(tiny_model
     den = sum(float(w.abs().sum()) for w in weights.values())
     assert weight_error(tiny_model, tmp_path / "fp4") == pytest.approx(num / den, rel=1e-6)
     assert 0.02 < num / den < 0.2
+    assert weight_error(torch.nn.Linear(2, 2), tmp_path / "none") == 0.0  # nothing quantized: no error
 
 
 def test_exports_refuse_what_they_cannot_write(tiny_model, tmp_path):

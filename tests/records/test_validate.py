@@ -97,7 +97,7 @@ def test_good_records_pass_and_each_broken_rule_is_rejected_with_its_reason():
         "same index",
     }
     assert "usage says 3 completion tokens but the calls hold 2" in rejected_trajs["usage"]
-    assert "call_index" in rejected_trajs["same index"]
+    assert rejected_trajs["same index"] == "two calls share a call_index"
     assert "reward" in rejected_trajs["unscored"] and "n_calls" in rejected_trajs["miscounted"]
     assert "support" in rejected_trajs["b5"] and "outside" in rejected_trajs["b6"]
     assert "greedy" in rejected_trajs["b7"]
@@ -120,6 +120,9 @@ def test_prefix_continuity_counts_later_calls_that_extend_what_was_served():
     single = _call("u")
     assert prefix_continuity([broken, single, first, kept]) == (1, 2)  # order of arrival is irrelevant
     assert prefix_continuity([single]) == (0, 0)
+    again = _call("v", prompt_token_ids=[1], completion_token_ids=[2])
+    grown = _call("v", call_index=1, prompt_token_ids=[1, 2, 3], completion_token_ids=[4])
+    assert prefix_continuity([first, kept, broken, again, grown]) == (2, 3)
 
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 8, "seed": 0}
@@ -195,6 +198,9 @@ RULES = [
     ("bias entry not a record", {"sampling": SAMPLING | {"logit_bias": [None]}}, SAMPLING_SHAPE),
     ("bias entry a number", {"sampling": SAMPLING | {"logit_bias": [3]}}, SAMPLING_SHAPE),
     ("text top_p", {"sampling": SAMPLING | {"top_p": "0.9"}}, SAMPLING_SHAPE),
+    ("text top_k", {"sampling": SAMPLING | {"top_k": "5"}}, SAMPLING_SHAPE),
+    ("text bias", _bias(3, "1"), SAMPLING_SHAPE),
+    ("no vocabulary size", {"vocab_size": None}, "token id outside [0, 0)"),
     *[
         (
             f"temperature {t}",
@@ -407,6 +413,9 @@ def test_rejects_name_their_table_round_record_and_time():
     assert rows["landing_calls", "bad-1"]["reason"] == "its trajectory was rejected"
     assert rows["trajectories", "nan"]["reason"] == "no finite reward"
     assert json.loads(rows["landing_calls", "bad-0"]["record_json"])["completion_logprobs"] == [0.5, 0.0]
+    assert json.loads(rows["landing_calls", "orphan-0"]["record_json"])["call_id"] == "orphan-0"
+    assert json.loads(rows["trajectories", "bad"]["record_json"])["n_calls"] == 2
+    assert rows["landing_calls", "bad-1"]["round"] == 3
     stamps = {r["rejected_at"] for r in rejects}
     assert len(stamps) == 1 and next(iter(stamps)).tzinfo is not None
 

@@ -308,3 +308,14 @@ def test_ref_is_without_a_reference_says_where_it_comes_from():
         match=r"^ref_is needs reference_logprobs \(the trainer computes them from the deployment\)$",
     ):
         objective(x, EstimatorConfig(type="ref_is"))
+
+
+def test_a_weight_exactly_at_the_cap_is_not_counted_truncated():
+    lp = torch.log(torch.tensor([0.2, 0.2]))
+    lmu = torch.log(torch.tensor([0.05, 0.1]))
+    x = TokenInputs(
+        lp, lmu, lp, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.bool)
+    )
+    at = float(torch.exp(lp[1] - lmu[1]))  # pi_k / mu of token 1, as the estimator computes it
+    _, diag = objective(x, EstimatorConfig(type="tis_ppo", is_cap=at))
+    assert diag["rho_truncated"].tolist() == [True, False]
