@@ -102,7 +102,7 @@ def test_each_row_keeps_its_own_sampling_parameters_in_one_batch():
         (1.0, 40, 1.0),
         (0.8, 0, 0.6),
         (0.0, 5, 0.5),
-        (1.2, 3, 0.9),
+        (1.2, 1, 0.9),
     ]
     temperature, top_k, top_p = (torch.tensor(c) for c in zip(*rows, strict=True))
     out = processed_logprobs(logits, temperature.float(), top_k, top_p.float())
@@ -165,3 +165,11 @@ def test_the_bias_matrix_is_dense_per_row_and_absent_without_biases():
     dense = bias_matrix([None, ([0, 4], [1.5, -2.0]), ([2], [100.0])], 5)
     assert dense.tolist() == [[0, 0, 0, 0, 0], [1.5, 0, 0, 0, -2.0], [0, 0, 100.0, 0, 0]]
     assert dense.dtype == torch.float32
+
+
+def test_top_p_keeps_a_token_only_while_the_mass_before_it_is_below_top_p():
+    """Four equal logits: exactly 0.25 each, so the mass before the third token is exactly 0.5."""
+    out = processed_logprobs(
+        torch.zeros(1, 4), torch.ones(1), torch.zeros(1, dtype=torch.long), torch.tensor([0.5])
+    )
+    assert int(torch.isfinite(out).sum()) == 2

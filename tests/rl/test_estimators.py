@@ -319,3 +319,34 @@ def test_a_weight_exactly_at_the_cap_is_not_counted_truncated():
     at = float(torch.exp(lp[1] - lmu[1]))  # pi_k / mu of token 1, as the estimator computes it
     _, diag = objective(x, EstimatorConfig(type="tis_ppo", is_cap=at))
     assert diag["rho_truncated"].tolist() == [True, False]
+
+
+def test_samples_centering_subtracts_the_mean_score_of_the_extra_samples():
+    """grad J = A (s_a - (1/M) sum_m s(v_m)), s_v = e_v - softmax(theta): the softmax cancels."""
+    theta = _dist(7)
+    cfg = EstimatorConfig(type="score_centering", centering="samples")
+    fn = lambda t: objective(token_inputs(t, [3], _dist(8), extra=[[1, 5, 5]], adv=-2.0), cfg)[0].sum()  # noqa: E731
+    expected = -2.0 * (torch.eye(V)[3] - (torch.eye(V)[1] + 2 * torch.eye(V)[5]) / 3)
+    torch.testing.assert_close(_grad(fn, theta), expected)
+    for extra in (None, torch.zeros((1, 0), dtype=torch.long)):  # none recorded, or zero a position
+        x = token_inputs(theta, [3], _dist(8), extra=extra)
+        x.extra_logprobs = None if extra is None else x.extra_logprobs
+        with pytest.raises(
+            ValueError, match=r"^centering='samples' needs calls recorded with extra samples \(engine"
+        ):
+            objective(x, cfg)
+
+
+def test_log1mexp_is_exact_near_zero_and_counts_inputs_above_zero_as_zero():
+    from prodrl_pipeline.rl.estimators import log1mexp
+
+    got = log1mexp(torch.tensor([-1e-10, -50.0, 0.0, 0.5], dtype=torch.float32))
+    assert got[0].item() == pytest.approx(math.log(1e-10), rel=1e-6)  # 1 - e^x rounds to 0 in float32
+    assert got[1].item() == pytest.approx(-math.exp(-50.0), rel=1e-6)
+    assert got[2].item() == got[3].item() == -math.inf  # a mass rounded past 1 counts as 1
+
+
+def test_score_centering_keeps_the_log_probs_dtype():
+    torch.set_default_dtype(torch.float32)  # the trainer's (the fixture restores float64)
+    x = token_inputs(_dist(1).float(), [2], _dist(2).float(), head=[2, 4])  # a partial head: a tail
+    assert objective(x, CENTERING)[0].dtype == torch.float32
