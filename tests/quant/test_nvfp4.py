@@ -195,3 +195,19 @@ def test_codes_of_another_format_under_nvfp4_scales_are_refused(tiny_model):
     state[q] = state[q].view(torch.float8_e4m3fn)  # FP8 codes where NVFP4 codes belong
     with pytest.raises(ValueError, match=f"^{q} has NVFP4 scales but is torch.float8_e4m3fn, not two E2M1"):
         dequantize_state(state)
+
+
+def test_the_export_is_quiet_reproducible_and_calibrated_on_what_it_is_given(tiny_model, tmp_path, capsys):
+    export_deployment(tiny_model, tmp_path / "a" / "nested", "nvfp4")  # parents are made
+    export_deployment(tiny_model, tmp_path / "a" / "nested", "nvfp4")  # and a folder is re-exported into
+    export_deployment(tiny_model, tmp_path / "b", "nvfp4")
+    assert capsys.readouterr().out == ""  # ModelOpt's per-module prints are swallowed
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["architectures"] == [type(tiny_model).__name__]
+    again = (tmp_path / "a" / "nested" / "model.safetensors").read_bytes()
+    assert again == (tmp_path / "b" / "model.safetensors").read_bytes()  # the stand-in batch is seeded
+    scale = "model.layers.0.self_attn.q_proj.input_scale"
+    export_deployment(tiny_model, tmp_path / "c", "nvfp4", calibration=[[1, 2, 3]])
+    export_deployment(tiny_model, tmp_path / "d", "nvfp4", calibration=[[4, 5, 6, 7, 8, 9]])
+    c, d = (load_file(str(tmp_path / x / "model.safetensors"))[scale] for x in "cd")
+    assert not torch.equal(c, d)  # the activation scales come from the calibration calls
