@@ -23,6 +23,7 @@ from pathlib import Path
 KILLED = {1, 3, 24, 36, 37, 152, 255}  # failed, internal error, timeouts, type check (and signals < 0)
 NOT_RUN = {None, 2, 34}  # not checked, interrupted, skipped
 EQUIVALENT = Path(__file__).with_name("mutation_equivalent.txt")
+NEXT_DEFINITION = re.compile(r"\n\s*def \w*__mutmut_\d+\(|\n[A-Za-z_@]")  # the next mutant, or top-level code
 
 
 def outcome(code: int | None) -> str:
@@ -41,7 +42,7 @@ def mutant_source(root: Path, name: str) -> str:
     start = text.find(f"def {function}(")
     if start < 0:
         return ""
-    end = re.compile(r"\n\s*def ").search(text, start + 1)
+    end = NEXT_DEFINITION.search(text, start + 1)
     return text[start : end.start() if end else len(text)]
 
 
