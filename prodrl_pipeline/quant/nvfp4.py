@@ -137,7 +137,9 @@ def export_deployment(
     path.mkdir(parents=True, exist_ok=True)
     if quant_format == "none":
         model.config.save_pretrained(path)
-        tied = model.config.tie_word_embeddings  # then lm_head is the embedding, saved once
+        tied = getattr(
+            model.config, "tie_word_embeddings", False
+        )  # then lm_head is the embedding, saved once
         state = {
             k: v.detach().clone() for k, v in model.state_dict().items() if not (tied and k == TIED_HEAD)
         }
@@ -182,7 +184,9 @@ def load_deployment(path: str | Path) -> PreTrainedModel:
         except ValueError as e:  # a scale it lacks, or codes of another format
             raise CorruptFileError(f"{what}: {weights.name} is corrupt ({e})") from e
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if not (config.tie_word_embeddings and m == TIED_HEAD)]:
+    if unexpected or [
+        m for m in missing if not (getattr(config, "tie_word_embeddings", False) and m == TIED_HEAD)
+    ]:
         raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     return model.eval()

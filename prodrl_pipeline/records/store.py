@@ -56,16 +56,18 @@ class DeltaStore:
             return DeltaTable(self.uri(table), version=version, storage_options=self.storage_options)
 
     @contextmanager
-    def _reading(self, table: str) -> Iterator[None]:
+    def _reading(self, *tables: str) -> Iterator[None]:
         """Re-raise deltalake's generic DeltaError for a log that does not parse (a commit file in
-        `_delta_log` truncated or garbled; deltalake says "Json error") as a StorageError naming the table."""
+        `_delta_log` truncated or garbled; deltalake says "Json error") as a StorageError naming the
+        table (or the tables a query read)."""
         try:
             yield
         except DeltaError as e:
             if "Json error" not in str(e):
                 raise
+            names = ", ".join(f"{t!r} ({self.uri(t)})" for t in tables)
             raise StorageError(
-                f"table {table!r} ({self.uri(table)}) is unreadable: its Delta log is corrupt, a commit file "
+                f"table {names} is unreadable: its Delta log is corrupt, a commit file "
                 f"in _delta_log is truncated or garbled ({str(e).splitlines()[0]})"
             ) from e
 
@@ -177,7 +179,7 @@ class DeltaStore:
         qb = QueryBuilder()
         for name in tables:
             qb.register(name, self.table(name, (versions or {}).get(name)))
-        with self._reading(", ".join(tables)):  # the log's per-file stats are parsed only now
+        with self._reading(*tables):  # the log's per-file stats are parsed only now
             return pa.table(qb.execute(sql).read_all())
 
     def maintain(self, table: str, retention_hours: int) -> dict:

@@ -70,7 +70,15 @@ def load_state(folder: Path, fingerprint: dict) -> ResumeState | None:
             return None
         state = torch.load(folder / STATE_FILE, weights_only=True, map_location="cpu")
         return ResumeState(state["model"], state["optimizer"], meta["cursor"], meta["rows"])
-    except (OSError, ValueError, KeyError, RuntimeError, EOFError, pickle.UnpicklingError):  # none, or
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        RuntimeError,
+        EOFError,
+        pickle.UnpicklingError,
+    ):  # none, or
         # unreadable (a state holding anything but tensors is refused unread): start over
         return None
 

@@ -255,3 +255,31 @@ def test_registry_rows_are_stamped_in_utc_whatever_the_machine_s_zone(tmp_path, 
     finally:
         monkeypatch.undo()
         time.tzset()
+
+
+def test_a_query_over_a_table_whose_log_does_not_parse_names_it(tmp_path):
+    from prodrl_pipeline.records.store import StorageError
+
+    store = DeltaStore(tmp_path)
+    store.append(
+        "rejects",
+        [
+            {
+                "table_name": "calls",
+                "round": 1,
+                "record_id": "x",
+                "reason": "r",
+                "record_json": "{}",
+                "rejected_at": datetime(2026, 12, 1, tzinfo=UTC),
+            }
+        ],
+    )
+    store.append("trajectories", [])
+    log = tmp_path / "rejects" / "_delta_log" / "00000000000000000000.json"
+    text = log.read_text()
+    start = text.index('"stats":"') + len('"stats":"')
+    log.write_text(text[:start] + "{garbled" + text[text.index('"', start) :])  # valid JSON, bad stats
+    with pytest.raises(
+        StorageError, match=r"table 'rejects' \(.*rejects\).* is unreadable: its Delta log is corrupt"
+    ):
+        store.query("SELECT count(*) FROM rejects, trajectories", ["rejects", "trajectories"])
