@@ -350,3 +350,18 @@ def test_score_centering_keeps_the_log_probs_dtype():
     torch.set_default_dtype(torch.float32)  # the trainer's (the fixture restores float64)
     x = token_inputs(_dist(1).float(), [2], _dist(2).float(), head=[2, 4])  # a partial head: a tail
     assert objective(x, CENTERING)[0].dtype == torch.float32
+
+
+def test_ratios_are_clamped_at_e_to_the_plus_minus_20():
+    from prodrl_pipeline.rl.estimators import MAX_LOG_RATIO, _ratio
+
+    got = _ratio(torch.tensor([30.0, -30.0, 1.0]), torch.zeros(3))
+    torch.testing.assert_close(got, torch.tensor([math.exp(MAX_LOG_RATIO), math.exp(-MAX_LOG_RATIO), math.e]))
+
+
+def test_truncated_centering_flags_weights_above_the_cap_only():
+    theta, log_mu = _dist(3), _dist(4)
+    x = _inputs(theta, [2, 5], log_mu)
+    raw = torch.exp(x.logprobs - x.deployment_logprobs).detach()
+    cfg = EstimatorConfig(type="score_centering", truncated_is=True, is_cap=float(raw[1]))
+    assert objective(x, cfg)[1]["rho_truncated"].tolist() == [bool(raw[0] > raw[1]), False]
