@@ -84,7 +84,7 @@ def call_problem(call: dict) -> str | None:
         return f"sampling top_p {top_p} outside (0, 1] or top_k {top_k} < 0"
     for entry in sampling.get("logit_bias") or []:
         token, bias = entry.get("token_id"), entry.get("bias")
-        if token is None or not 0 <= token < vocab or bias is None or not -100 <= bias <= 100:
+        if not 0 <= token < vocab or bias is None or not -100 <= bias <= 100:
             return f"logit_bias entry {entry} is not a vocabulary id with a bias in [-100, 100]"
     extra = call.get("extra_token_ids") or []
     if extra and len(extra) != len(completion):
