@@ -4,7 +4,7 @@ import math
 
 from dagster import AssetExecutionContext, BackfillPolicy, MaterializeResult, asset
 
-from assets.partitions import merged, ordered_keys, round_number, rounds
+from assets.partitions import each_round, round_number, rounds
 from assets.trajectories import trajectories
 from prodrl_pipeline.records.queries import compute_advantages
 from resources.lab import LabResource
@@ -20,7 +20,7 @@ from resources.store import StoreResource
 )
 def advantages(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """Batch-mean baseline per minibatch of B trajectories; one row per trained trajectory."""
-    return merged([_advantages_round(context, key, store, lab) for key in ordered_keys(context)])
+    return each_round(context, store, lambda key: _advantages_round(context, key, store, lab))
 
 
 def _advantages_round(

@@ -15,7 +15,7 @@ from dagster import (
 
 from assets import metadata
 from assets.advantages import advantages
-from assets.partitions import merged, ordered_keys, round_number, rounds
+from assets.partitions import each_round, round_number, rounds
 from assets.torchrun import train_with_torchrun
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup, register_checkpoint, round_id
@@ -65,7 +65,7 @@ def checkpoint(
 ) -> MaterializeResult:
     """Train the round. The parent is the checkpoint behind the deployment that served the round's
     trajectories (lineage is data: `deployment_id` on every trajectory row)."""
-    return merged([_checkpoint_round(context, key, config, store, lab) for key in ordered_keys(context)])
+    return each_round(context, store, lambda key: _checkpoint_round(context, key, config, store, lab))
 
 
 def _checkpoint_round(

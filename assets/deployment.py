@@ -15,7 +15,7 @@ from dagster import (
 
 from assets.checkpoint import checkpoint
 from assets.evaluation import evaluate_deployment
-from assets.partitions import merged, ordered_keys, round_number, rounds
+from assets.partitions import each_round, round_number, rounds
 from prodrl_pipeline.artifacts import Artifacts
 from prodrl_pipeline.engine.vllm_server import (
     golden_check,
@@ -56,7 +56,7 @@ GOLDEN_CALLS = 8  # recorded calls whose completions the vLLM swap check scores
 def deployment(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """Quantize and register the round's checkpoint, evaluate it on the held-out puzzles, and make
     it live only if the deploy gate passes; otherwise live stays and downstream assets are skipped."""
-    return merged([_deployment_round(context, key, store, lab) for key in ordered_keys(context)])
+    return each_round(context, store, lambda key: _deployment_round(context, key, store, lab))
 
 
 def _swap_vllm(  # noqa: PLR0913

@@ -5,7 +5,7 @@ from dagster import AssetExecutionContext, BackfillPolicy, MaterializeResult, as
 from assets import metadata
 from assets.deployment import deployment
 from assets.evaluation import evaluate_deployment
-from assets.partitions import merged, ordered_keys, round_number, rounds
+from assets.partitions import each_round, round_number, rounds
 from prodrl_pipeline.evals.heldout import solve_rate, solve_rates_by_theme
 from prodrl_pipeline.records.queries import round_summary, stored_results
 from prodrl_pipeline.records.registry import lookup, round_id
@@ -34,7 +34,7 @@ SUMMARY_COLUMNS = [
 def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """The round's held-out results (stored per puzzle by the deploy gate's evaluation), the
     per-round table of the run, the reward curve and the mismatch sawtooth."""
-    return merged([_eval_report_round(context, key, store, lab) for key in ordered_keys(context)])
+    return each_round(context, store, lambda key: _eval_report_round(context, key, store, lab))
 
 
 def _eval_report_round(

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+from collections.abc import Callable
+from datetime import UTC, datetime
 
-from dagster import DynamicPartitionsDefinition, MaterializeResult
+from dagster import DynamicPartitionsDefinition, Failure, MaterializeResult
+
+from prodrl_pipeline.locks import Busy
 
 rounds = DynamicPartitionsDefinition(name="rounds")
 ROUND_KEY = re.compile(r"r(\d{6})")
@@ -28,11 +34,30 @@ def ordered_keys(context) -> list[str]:
     return sorted(context.partition_keys, key=round_number)
 
 
+def each_round(context, store, one: Callable[[str], MaterializeResult]) -> MaterializeResult:
+    """`one(key)` for each of the run's rounds in order, each holding its round's lock for the call
+    (`StoreResource.round_lock`), merged into one result. A round another run is writing fails the
+    step at once, before anything is written, with a message naming that run."""
+    holder = (
+        f"run {context.run.run_id} (step {context.op_def.name}, pid {os.getpid()} on "
+        f"{socket.gethostname()}, since {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC)"
+    )
+    results = []
+    for key in ordered_keys(context):
+        try:
+            with store.round_lock(key, holder):
+                results.append(one(key))
+        except Busy as e:
+            raise Failure(
+                description=f"round {key} is being written by {e}. This run stops here; re-run it once "
+                "that run has ended (what is stored is kept, a re-run reuses it)"
+            ) from None
+    return merged(results)
+
+
 def merged(results: list) -> MaterializeResult:
     """One MaterializeResult for a run over several rounds: the last round's metadata, plus the
     rounds covered; asset checks pass only if they passed for every round."""
-    from dagster import MaterializeResult
-
     last = results[-1]
     checks = {}
     for r in results:

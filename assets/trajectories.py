@@ -20,7 +20,7 @@ from dagster import (
 )
 
 from assets.base_model import base_model
-from assets.partitions import merged, ordered_keys, round_number, rounds
+from assets.partitions import each_round, round_number, rounds
 from prodrl_pipeline.artifacts import Artifacts
 from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.records.snapshot import snapshot_production
@@ -52,7 +52,7 @@ def trajectories(
 ) -> MaterializeResult:
     """Collect the round's trajectories, validate them against the data contract (violations go
     to `rejects`) and store calls and trajectories for the round."""
-    return merged([_trajectories_round(context, key, config, store, lab) for key in ordered_keys(context)])
+    return each_round(context, store, lambda key: _trajectories_round(context, key, config, store, lab))
 
 
 def _trajectories_round(

@@ -10,12 +10,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from prodrl_pipeline.locks import folder_lock
+
 
 @contextmanager
 def replacing(target: Path) -> Iterator[Path]:
     """A temporary sibling of `target` to write into. On a clean exit it replaces `target` by two
     renames (a kill leaves the old folder, the new one, or, between the renames, the old one under
-    `.old-<name>-*`); on an error it is removed and `target` is untouched."""
+    `.old-<name>-*`), made while holding `target`'s folder lock, so a load holding it shared never
+    sees the swap half done; on an error it is removed and `target` is untouched."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
     try:
@@ -24,9 +27,10 @@ def replacing(target: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
-    if target.exists():
-        target.rename(old)
-    tmp.rename(target)
+    with folder_lock(target, shared=False):
+        if target.exists():
+            target.rename(old)
+        tmp.rename(target)
     shutil.rmtree(old, ignore_errors=True)
 
 

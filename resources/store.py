@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from dagster import ConfigurableResource
 
 from prodrl_pipeline.artifacts import Artifacts
+from prodrl_pipeline.locks import holding
 from prodrl_pipeline.records.store import DeltaStore
 
 
@@ -32,3 +34,9 @@ class StoreResource(ConfigurableResource):
 
     def artifacts(self) -> Artifacts:
         return Artifacts(self.artifacts_uri or self.root, self.storage_options, Path(self.root, "cache"))
+
+    def round_lock(self, key: str, holder: str) -> AbstractContextManager[None]:
+        """Exclusive hold on round `key` for one step of one run, or `locks.Busy` naming its holder
+        (`<root>/locks/<key>.lock`): two runs of one round never write it at once. It guards the runs
+        that share this machine's root; across machines the run queue's per-partition limit does."""
+        return holding(Path(self.root, "locks", f"{key}.lock"), holder)

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from prodrl_pipeline.folders import CorruptFileError, reading
+from prodrl_pipeline.locks import folder_lock
 
 BLOCK = 16
 QUANTIZED = re.compile(r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
@@ -166,8 +167,13 @@ def export_deployment(
 def load_deployment(path: str | Path) -> PreTrainedModel:
     """The model a deployment serves: dequantized NVFP4 weights (or full precision), fp32 compute.
     A file of it that is missing, truncated or corrupt raises an error naming the deployment and the
-    file (FileNotFoundError, CorruptFileError)."""
+    file (FileNotFoundError, CorruptFileError). Read under the folder's shared lock (a swap waits)."""
     path = Path(path)
+    with folder_lock(path, shared=True):
+        return _load_deployment(path)
+
+
+def _load_deployment(path: Path) -> PreTrainedModel:
     what = f"deployment {path}"
     weights, quant_config = path / "model.safetensors", path / "hf_quant_config.json"
     with reading(path / "config.json", what):  # transformers calls a missing one an unrecognized model

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 from transformers.utils import CONFIG_NAME, SAFE_WEIGHTS_NAME
 
 from prodrl_pipeline.folders import reading, replacing
+from prodrl_pipeline.locks import folder_lock
 from prodrl_pipeline.model import load_model
 
 OPTIMIZER_FILE, META_FILE = "optimizer.pt", "prodrl.json"
@@ -34,8 +35,14 @@ def save_checkpoint(
 
 def load_checkpoint(path: str | Path) -> tuple[PreTrainedModel, dict | None, dict]:
     """(model, optimizer state or None, meta). A file of it that is missing, truncated or corrupt
-    raises an error naming the checkpoint and the file (FileNotFoundError, CorruptFileError)."""
+    raises an error naming the checkpoint and the file (FileNotFoundError, CorruptFileError). Read
+    under the folder's shared lock: a re-materialization swapping it waits until the load is done."""
     path = Path(path)
+    with folder_lock(path, shared=True):
+        return _load_checkpoint(path)
+
+
+def _load_checkpoint(path: Path) -> tuple[PreTrainedModel, dict | None, dict]:
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path} is not a prodrl checkpoint (no {META_FILE})")
     what = f"checkpoint {path}"

@@ -26,6 +26,7 @@ from dagster import DagsterInstance, materialize
 
 from assets.base_model import base_model
 from prodrl_pipeline.quant.nvfp4 import load_deployment
+from prodrl_pipeline.records.registry import round_id
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import META_FILE, load_checkpoint
 from tests.faults.round_child import CHILD_LAB
@@ -70,9 +71,13 @@ def _stop(child: subprocess.Popen) -> None:
     child.wait()
 
 
-def _child(root: Path, home: Path, logs: int = subprocess.DEVNULL, kill_after: str = "") -> subprocess.Popen:
+def _child(
+    root: Path, home: Path, logs: int = subprocess.DEVNULL, kill_after: str = "", rounds: tuple[int, ...] = ()
+) -> subprocess.Popen:
+    """tests/faults/round_child.py on `root` and the instance in `home`: round 1, round K (`rounds`
+    = (K,)) or a replay of rounds FIRST..LAST (`rounds` = (FIRST, LAST))."""
     env = {**os.environ, "DAGSTER_HOME": str(home), "PYTHONPATH": str(REPO), "KILL_AFTER": kill_after}
-    command = [sys.executable, "-m", "tests.faults.round_child", str(root)]
+    command = [sys.executable, "-m", "tests.faults.round_child", str(root), *map(str, rounds)]
     return subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=logs, text=True, start_new_session=True
     )
@@ -164,8 +169,9 @@ def _base(root: Path, home: Path) -> None:
         assert materialize([base_model], instance=instance, resources=_resources(root, **CHILD_LAB)).success
 
 
-def _invariants(root: Path, reference: Path) -> dict[str, int]:
-    """Checks what must hold after the re-run; returns the calls lost and the duplicate rows."""
+def _invariants(root: Path, reference: Path, rounds: tuple[int, ...] = (1,)) -> dict[str, int]:
+    """Checks what must hold after the re-run of the last of `rounds`, which all ran in `reference`
+    uninterrupted; returns the calls lost and the duplicate rows."""
     tables, ref = DeltaStore(root / "tables"), DeltaStore(reference / "tables")
     duplicated = 0
     for name, key in KEYS.items():
@@ -175,19 +181,20 @@ def _invariants(root: Path, reference: Path) -> dict[str, int]:
         load_checkpoint(row["path"])  # a registered checkpoint is complete
     for row in tables.read("deployments").to_pylist():
         load_deployment(row["path"])
-    live = tables.live_deployment()
-    assert live["deployment_id"] in ("base", "main-r000001")
+    live, last = tables.live_deployment(), rounds[-1]
+    assert live["deployment_id"] in (round_id("main", last - 1), round_id("main", last))
     served = lambda store: {  # noqa: E731 (every column but the wall-clock time it was made)
         c["call_id"]: {k: v for k, v in c.items() if k != "created_at"}
-        for c in store.read("calls", 1).to_pylist()
+        for k in rounds
+        for c in store.read("calls", k).to_pylist()
     }
     ours, theirs = served(tables), served(ref)
     assert {k: v for k, v in ours.items() if k in theirs} == {k: theirs[k] for k in ours if k in theirs}
-    for kind in ("checkpoints", "deployments"):
-        row = next(r for r in tables.read(kind).to_pylist() if r["round"] == 1)
-        ref_row = next(r for r in ref.read(kind).to_pylist() if r["round"] == 1)
+    for kind, k in ((kind, k) for kind in ("checkpoints", "deployments") for k in rounds):
+        row = next(r for r in tables.read(kind).to_pylist() if r["round"] == k)
+        ref_row = next(r for r in ref.read(kind).to_pylist() if r["round"] == k)
         weights = (Path(row["path"]) / "model.safetensors").read_bytes()
-        assert weights == (Path(ref_row["path"]) / "model.safetensors").read_bytes(), f"{kind} differ"
+        assert weights == (Path(ref_row["path"]) / "model.safetensors").read_bytes(), f"{kind} of {k} differ"
     return {"lost": len(set(theirs) - set(ours)), "duplicated": duplicated}
 
 
