@@ -103,8 +103,8 @@ def _trajectories_round(
     calls, trajs, rejects = split_valid(calls, trajs)
     extending, later = prefix_continuity(calls)
     tables.overwrite_round("calls", calls, k)
-    tables.overwrite_round("trajectories", trajs, k)
     tables.overwrite("rejects", rejects, f"round = {k} AND table_name IN ('calls', 'trajectories')")
+    tables.overwrite_round("trajectories", trajs, k)  # last: stored trajectories mark the round collected
     return MaterializeResult(
         metadata={
             **_summary(trajs, tables, reused=False, n_calls=len(calls), n_rejects=len(rejects)),

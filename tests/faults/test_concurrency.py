@@ -9,14 +9,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from dagster import DagsterInstance, materialize
-
 from assets.partitions import round_key
 from prodrl_pipeline.locks import holding
 from prodrl_pipeline.records.store import DeltaStore
-from tests.faults.round_child import CHILD_LAB
-from tests.faults.test_round_faults import _base, _child, _instance, _invariants, _run_to_end
-from tests.test_pipeline import ASSETS, ROUND, _resources
+from tests.faults.test_round_faults import _base, _child, _instance, _invariants, _round, _run_to_end
 
 BUSY = "is being written by run"
 
@@ -34,19 +30,6 @@ def _outcomes(home: Path) -> dict[str, list[str]]:
             ]
             for run in instance.get_runs()
         }
-
-
-def _round(instance: DagsterInstance, root: Path, k: int):
-    instance.add_dynamic_partitions("rounds", [round_key(k)])
-    resources = _resources(root, **CHILD_LAB)
-    return materialize(
-        ASSETS,
-        selection=ROUND,
-        partition_key=round_key(k),
-        instance=instance,
-        resources=resources,
-        raise_on_error=False,
-    )
 
 
 def test_a_round_another_run_is_writing_fails_at_once_naming_it_and_runs_once_it_is_free(tmp_path):

@@ -22,21 +22,35 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dagster import DagsterInstance, materialize
+from dagster import DagsterInstance, ExecuteInProcessResult, materialize
 
 from assets.base_model import base_model
+from assets.partitions import round_key
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import round_id
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import META_FILE, load_checkpoint
 from tests.faults.round_child import CHILD_LAB
-from tests.test_pipeline import _resources
+from tests.test_pipeline import ASSETS, ROUND, _resources
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ("trajectories", "advantages", "checkpoint", "deployment", "eval_report")
 """One kill inside each, at a random moment of the step's uninterrupted duration."""
-COMMITS = {"checkpoints": "checkpoint", "live": "deployment"}
-"""Kills aimed right after a commit (tests/faults/round_child.py), and the step it lands in."""
+COMMITS = {
+    "calls": "trajectories",
+    "rejects": "trajectories",
+    "trajectories": "trajectories",
+    "advantages": "advantages",
+    "policy_logprobs": "checkpoint",
+    "checkpoints": "checkpoint",
+    "train_steps": "checkpoint",
+    "deployments": "deployment",
+    "eval_results": "deployment",
+    "live": "deployment",
+}
+"""Every commit of a round, in the order a round makes them, and the step it lands in: a chain of
+runs each SIGKILLed right after the next one (tests/faults/round_child.py), each re-running the
+round after the previous kill. A re-run that skips a commit (what it marks is stored) never dies."""
 KEYS = {  # what makes a row unique in each table the round writes
     "calls": ("call_id",),
     "trajectories": ("trajectory_id",),
@@ -134,16 +148,26 @@ def _step_seconds(home: Path) -> dict[str, float]:
     return seconds
 
 
+def _round(instance: DagsterInstance, root: Path, k: int = 1) -> ExecuteInProcessResult:
+    """Round `k` of the child's lab, in this process (a re-run needs no fresh interpreter: all it
+    must find is on disk and in the instance); its failures returned, not raised."""
+    instance.add_dynamic_partitions("rounds", [round_key(k)])
+    return materialize(
+        ASSETS,
+        selection=ROUND,
+        partition_key=round_key(k),
+        instance=instance,
+        resources=_resources(root, **CHILD_LAB),
+        raise_on_error=False,
+    )
+
+
 def _run_to_end(root: Path, home: Path) -> float:
-    """Round 1 in a child, uninterrupted; returns the seconds from `ready` to its exit."""
-    child = _child(root, home)
-    try:
-        assert child.stdout.readline().strip() == "ready"
+    """Round 1, uninterrupted; returns its seconds."""
+    with _instance(home) as instance:
         t0 = time.monotonic()
-        assert child.wait(timeout=600) == 0, "the round failed"
+        assert _round(instance, root).success, "the round failed"
         return time.monotonic() - t0
-    finally:
-        _stop(child)
 
 
 def _killed_in(home: Path) -> str:
@@ -169,10 +193,9 @@ def _base(root: Path, home: Path) -> None:
         assert materialize([base_model], instance=instance, resources=_resources(root, **CHILD_LAB)).success
 
 
-def _invariants(root: Path, reference: Path, rounds: tuple[int, ...] = (1,)) -> dict[str, int]:
-    """Checks what must hold after the re-run of the last of `rounds`, which all ran in `reference`
-    uninterrupted; returns the calls lost and the duplicate rows."""
-    tables, ref = DeltaStore(root / "tables"), DeltaStore(reference / "tables")
+def _left_behind(tables: DeltaStore, last: int) -> int:
+    """What any kill may leave: checks that every registered checkpoint and export loads and that
+    live names round `last` or the one before (and loads); returns the duplicate rows."""
     duplicated = 0
     for name, key in KEYS.items():
         counts = Counter(tuple(r[k] for k in key) for r in tables.read(name).to_pylist())
@@ -181,8 +204,15 @@ def _invariants(root: Path, reference: Path, rounds: tuple[int, ...] = (1,)) -> 
         load_checkpoint(row["path"])  # a registered checkpoint is complete
     for row in tables.read("deployments").to_pylist():
         load_deployment(row["path"])
-    live, last = tables.live_deployment(), rounds[-1]
-    assert live["deployment_id"] in (round_id("main", last - 1), round_id("main", last))
+    assert tables.live_deployment()["deployment_id"] in (round_id("main", last - 1), round_id("main", last))
+    return duplicated
+
+
+def _invariants(root: Path, reference: Path, rounds: tuple[int, ...] = (1,)) -> dict[str, int]:
+    """Checks what must hold after the re-run of the last of `rounds`, which all ran in `reference`
+    uninterrupted; returns the calls lost and the duplicate rows."""
+    tables, ref = DeltaStore(root / "tables"), DeltaStore(reference / "tables")
+    duplicated = _left_behind(tables, rounds[-1])
     served = lambda store: {  # noqa: E731 (every column but the wall-clock time it was made)
         c["call_id"]: {k: v for k, v in c.items() if k != "created_at"}
         for k in rounds
@@ -218,19 +248,21 @@ def test_a_round_killed_inside_each_stage_and_re_run_loses_and_doubles_nothing(t
         _run_to_end(root, home)
         table[stage]["re-runs completed"] += 1
         table[stage].update(_invariants(root, reference))
-    for commit, step in COMMITS.items():  # aimed: right after a registry or live-pointer commit
-        root, home = tmp_path / f"root-{commit}", tmp_path / f"home-{commit}"
-        shutil.copytree(template, root)
-        shutil.copytree(home_template, home)
+    root, home = tmp_path / "root-commits", tmp_path / "home-commits"  # aimed: after each commit
+    shutil.copytree(template, root)
+    shutil.copytree(home_template, home)
+    for commit, step in COMMITS.items():
         child = _child(root, home, kill_after=commit)
-        assert child.wait(timeout=600) == -signal.SIGKILL, f"the round ended before the {commit} commit"
+        assert child.wait(timeout=600) == -signal.SIGKILL, f"the re-run never made the {commit} commit"
         assert _killed_in(home) == step
         stage = f"{step}, right after the {commit} commit"
         table[stage]["kills"] += 1
-        _run_to_end(root, home)
-        table[stage]["re-runs completed"] += 1
-        table[stage].update(_invariants(root, reference))
-        assert DeltaStore(root / "tables").live_deployment()["deployment_id"] == "main-r000001"
+        table[stage]["duplicated"] += _left_behind(DeltaStore(root / "tables"), 1)
+        table[stage]["re-runs completed"] += 1  # the next run of the chain re-runs the round
+    _run_to_end(root, home)
+    lost = _invariants(root, reference)
+    assert lost == {"lost": 0, "duplicated": 0}
+    assert DeltaStore(root / "tables").live_deployment()["deployment_id"] == "main-r000001"
     root, home = tmp_path / "root-resume", tmp_path / "home-resume"  # aimed: training after a save
     shutil.copytree(template, root)
     shutil.copytree(home_template, home)
@@ -244,9 +276,9 @@ def test_a_round_killed_inside_each_stage_and_re_run_loses_and_doubles_nothing(t
     resumed = json.loads((Path(ckpt["path"]) / META_FILE).read_text()).get("resumed_after_steps")
     assert resumed is not None or not resumable, "the re-run trained from the start instead of resuming"
     print(f"\nround: {round_seconds:.1f} s uninterrupted; the aimed kill resumed after {resumed} steps")
-    print(f"{'killed in':48} kills  re-runs  calls lost  duplicate rows")
+    print(f"{'killed in':52} kills  re-runs  calls lost  duplicate rows")
     for stage, n in sorted(table.items()):
-        print(f"{stage:48} {n['kills']:5}  {n['re-runs completed']:7}  {n['lost']:10}  {n['duplicated']:14}")
+        print(f"{stage:52} {n['kills']:5}  {n['re-runs completed']:7}  {n['lost']:10}  {n['duplicated']:14}")
     assert sum(n["kills"] for n in table.values()) == len(STAGES) + len(COMMITS) + 1
     assert sum(n["re-runs completed"] for n in table.values()) == len(STAGES) + len(COMMITS) + 1
     assert all(n["lost"] == n["duplicated"] == 0 for n in table.values())
