@@ -8,6 +8,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
+SIZES = (  # every one of them >= 1
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "max_positions",
+)
+
 
 @dataclass(frozen=True)
 class TinyQwen3Config:
@@ -29,6 +38,8 @@ class TinyQwen3Config:
     """Initialisation seed: the same config and seed give bit-identical weights."""
 
     def __post_init__(self) -> None:
+        if small := [f"{name}={getattr(self, name)}" for name in SIZES if not getattr(self, name) >= 1]:
+            raise ValueError(f"model sizes must be >= 1, got {', '.join(small)}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 "hidden_size must divide by num_heads and num_heads by num_kv_heads, got "

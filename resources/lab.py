@@ -10,10 +10,11 @@ from dagster import ConfigurableResource
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import TorchEngine
+from prodrl_pipeline.engine.sampler import TorchEngine, check_recording
 from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.puzzles import Puzzle
+from prodrl_pipeline.evals.gate import check_gate_settings
 from prodrl_pipeline.model import TinyQwen3Config
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.rl.estimators import EstimatorConfig
@@ -142,6 +143,16 @@ class LabResource(ConfigurableResource):
     """The model name that server serves (`--served-model-name`)."""
     seed: int = 0
     """Seed of puzzle sampling, engine sampling and minibatch shuffles."""
+
+    def check(self) -> None:
+        """Build every configuration a round derives from these settings, so that settings that
+        cannot be honoured are refused when they are read, not mid-round (ValueError, the reason)."""
+        self.tiny_model(), self.warm_start(), self.sampling(), self.trainer()
+        check_recording(self.top_logprobs, self.extra_samples)
+        check_gate_settings(self.gate_margin, self.gate_confidence)
+        for name in ("eval_puzzles", "trainer_processes", "mismatch_warn", "staleness_warn"):
+            if not getattr(self, name) >= 0:  # NaN fails too
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def tiny_model(self) -> TinyQwen3Config:
         return TinyQwen3Config(

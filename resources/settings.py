@@ -74,7 +74,7 @@ def resources_from_environment(env: Mapping[str, str] = os.environ) -> dict[str,
 def settings_from_environment(env: Mapping[str, str] = os.environ) -> dict[str, BaseModel]:
     """Every section (`lab`, `store`, `sensor`), with the fields the settings file names
     (ValueError, naming the file and the setting, for a missing, empty or unparsable file, a key
-    given twice, an unknown section or field at any depth, or a bad value)."""
+    given twice, an unknown section or field at any depth, or a value that cannot be honoured)."""
     path = env.get(SETTINGS_VARIABLE) or None  # set but empty: unset
     if path is None:
         return {name: cls() for name, cls in SECTIONS.items()}
@@ -96,4 +96,8 @@ def settings_from_environment(env: Mapping[str, str] = os.environ) -> dict[str, 
             out[name] = cls(**fields)
         except ValidationError as e:
             raise ValueError(f"{where}: {name}: {e}") from e
+    try:
+        out["lab"].check()
+    except ValueError as e:
+        raise ValueError(f"{where}: lab: {e}") from e
     return out

@@ -1,12 +1,18 @@
 """Production mode is a setting: one settings file, named by PRODRL_SETTINGS, read by the code location."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from prodrl_pipeline.evals.gate import check_gate_settings
+from resources.lab import LabResource
 from resources.serve import gateway_env
 from resources.settings import resources_from_environment, settings_from_environment
 
@@ -48,6 +54,15 @@ def test_a_settings_file_selects_production_its_experiment_thresholds_and_store(
         ("", "sections"),  # an empty file is not the lab defaults
         ("lab: 5\n", "must map"),
         ("lab: production\n", "must map"),
+        # settings that load but could not be honoured: refused now, not inside a round
+        ("lab:\n  num_heads: 0\n", "model sizes must be >= 1, got num_heads=0"),
+        ("lab:\n  hidden_size: 100\n  num_heads: 3\n", "hidden_size must divide by num_heads"),
+        ("lab:\n  eval_puzzles: -3\n", "eval_puzzles must be >= 0"),
+        ("lab:\n  top_logprobs: 0\n", "top_logprobs must be >= 1"),
+        ("lab:\n  gate_confidence: 1.0\n", "need 0 < confidence < 1"),
+        ("lab:\n  mismatch_warn: .nan\n", "mismatch_warn must be >= 0"),
+        ("lab:\n  steps: 0\n", "lab: "),
+        ("lab:\n  top_p: 0\n", "top_p must be in"),
     ],
 )
 def test_a_bad_settings_file_is_refused_naming_what_is_wrong(tmp_path, text, named):
@@ -104,3 +119,36 @@ def test_the_gateway_serves_the_settings_store_tokenizer_and_recorded_head(tmp_p
     path.write_text("sensor:\n  minimum_interval_seconds: 0\n")
     with pytest.raises(ValueError, match="minimum_interval_seconds"):
         gateway_env({"PRODRL_SETTINGS": str(path)})
+
+
+LAB_NUMBERS = [
+    name
+    for name, field in LabResource.model_fields.items()
+    if field.annotation in (int, float) and name not in ("seed", "model_seed")
+]
+SETTING = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.sampled_from([0, -1, 1, 2, 10**9, 0.5, 1.5, -0.0, math.nan, math.inf, -math.inf]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=2),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(LAB_NUMBERS), SETTING, min_size=1, max_size=3))
+def test_a_setting_that_cannot_be_honoured_is_refused_when_read_not_mid_round(tmp_path, lab):
+    """Whatever the values, the file is refused naming itself and the setting, or every
+    configuration a round derives from it builds (the model's, warm start's, sampling's, the
+    trainer's, the deploy gate's): nothing the settings admit fails later, inside a round."""
+    path = tmp_path / "settings.yaml"
+    path.write_text(yaml.safe_dump({"lab": lab}))
+    try:
+        resource = settings_from_environment({"PRODRL_SETTINGS": str(path)})["lab"]
+    except ValueError as e:
+        assert str(path) in str(e)
+        return
+    resource.tiny_model(), resource.warm_start(), resource.sampling(), resource.trainer()
+    check_gate_settings(resource.gate_margin, resource.gate_confidence)

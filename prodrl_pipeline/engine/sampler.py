@@ -44,6 +44,14 @@ class Completion:
     finish_reason: str = "length"
 
 
+def check_recording(top_logprobs: int, extra_samples: int) -> None:
+    """ValueError unless the recorded head has K >= 1 entries and extra samples are >= 0."""
+    if not top_logprobs >= 1:
+        raise ValueError(f"top_logprobs must be >= 1, got {top_logprobs}")
+    if not extra_samples >= 0:
+        raise ValueError(f"extra_samples must be >= 0, got {extra_samples}")
+
+
 class TorchEngine:
     """Serves a causal LM (already holding the deployed weights) on CPU or GPU."""
 
@@ -53,10 +61,7 @@ class TorchEngine:
     def __init__(
         self, model: PreTrainedModel, eos_id: int, pad_id: int, top_logprobs: int = 20, extra_samples: int = 0
     ):
-        if top_logprobs < 1:
-            raise ValueError(f"top_logprobs must be >= 1, got {top_logprobs}")
-        if extra_samples < 0:
-            raise ValueError(f"extra_samples must be >= 0, got {extra_samples}")
+        check_recording(top_logprobs, extra_samples)
         self.model = model.eval()
         self.eos_id, self.pad_id, self.top_logprobs = eos_id, pad_id, top_logprobs
         self.extra_samples = extra_samples

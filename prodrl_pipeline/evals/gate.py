@@ -67,12 +67,17 @@ def paired_difference(solved: dict[str, bool], baseline: dict[str, bool]) -> Pai
     )
 
 
+def check_gate_settings(margin: float, confidence: float) -> None:
+    """ValueError unless 0 < confidence < 1 and margin >= 0 (NaN fails both)."""
+    if not 0 < confidence < 1 or not margin >= 0:
+        raise ValueError(f"need 0 < confidence < 1 and margin >= 0, got {confidence}, {margin}")
+
+
 def deploy_gate(
     candidate: dict[str, bool], live: dict[str, bool], margin: float = 0.02, confidence: float = 0.95
 ) -> GateResult:
     """`candidate`, `live`: puzzle_id -> solved. Only puzzles scored for both count."""
-    if not 0 < confidence < 1 or margin < 0:
-        raise ValueError(f"need 0 < confidence < 1 and margin >= 0, got {confidence}, {margin}")
+    check_gate_settings(margin, confidence)
     p = paired_difference(candidate, live)
     upper = p.diff + NormalDist().inv_cdf(confidence) * p.se
     return GateResult(
