@@ -27,6 +27,12 @@ class StorageError(OSError):
     table's Delta log is corrupt."""
 
 
+def _one_line(error: Exception) -> str:
+    """deltalake's error chain (colored, one cause per line) as one plain line."""
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()
+    return ": ".join(part for line in lines if (part := line.strip().removeprefix("↳").strip()))
+
+
 class DeltaStore:
     """The project's tables under `root` (a folder or an object-store URI such as s3://bucket/tables,
     reached with `storage_options`: endpoint, credentials, region); `commit_metadata` is attached to
@@ -49,7 +55,8 @@ class DeltaStore:
         return f"{self.root}/{table}"
 
     def exists(self, table: str) -> bool:
-        return DeltaTable.is_deltatable(self.uri(table), storage_options=self.storage_options)
+        with self._reading(table):
+            return DeltaTable.is_deltatable(self.uri(table), storage_options=self.storage_options)
 
     def table(self, table: str, version: int | None = None) -> DeltaTable:
         with self._reading(table):
@@ -58,14 +65,19 @@ class DeltaStore:
     @contextmanager
     def _reading(self, *tables: str) -> Iterator[None]:
         """Re-raise deltalake's generic DeltaError for a log that does not parse (a commit file in
-        `_delta_log` truncated or garbled; deltalake says "Json error") as a StorageError naming the
-        table (or the tables a query read)."""
+        `_delta_log` truncated or garbled; deltalake says "Json error"), and a storage failure
+        (unreachable, refused, throttled), as a StorageError naming the table (or the tables a
+        query read)."""
+        names = ", ".join(f"{t!r} ({self.uri(t)})" for t in tables)
         try:
             yield
+        except StorageError:
+            raise
+        except OSError as e:
+            raise StorageError(f"table {names} cannot be read: the storage failed: {_one_line(e)}") from e
         except DeltaError as e:
             if "Json error" not in str(e):
                 raise
-            names = ", ".join(f"{t!r} ({self.uri(t)})" for t in tables)
             raise StorageError(
                 f"table {names} is unreadable: its Delta log is corrupt, a commit file "
                 f"in _delta_log is truncated or garbled ({str(e).splitlines()[0]})"
@@ -118,11 +130,17 @@ class DeltaStore:
         except CommitFailedError:
             raise
         except (DeltaError, OSError) as e:
-            last = self.table(table).version() if self.exists(table) else None
             raise StorageError(
-                f"writing {data.num_rows} rows to table {table!r} failed: {e}; the table stays at its "
-                f"last committed version ({'none' if last is None else last})"
+                f"writing {data.num_rows} rows to table {table!r} failed: {_one_line(e)}; the table stays "
+                f"at its last committed version ({self._last_version(table)})"
             ) from e
+
+    def _last_version(self, table: str) -> str:
+        """The table's version for an error message; the storage may be what failed."""
+        try:
+            return str(self.table(table).version()) if self.exists(table) else "none"
+        except (DeltaError, OSError) as e:
+            return f"unknown: reading it failed too, {type(e).__name__}"
 
     def overwrite_round(self, table: str, rows: pa.Table | Sequence[dict], round_: int) -> int:
         return self.overwrite(table, rows, f"round = {int(round_)}")
