@@ -6,6 +6,7 @@ import os
 import re
 import socket
 from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import UTC, datetime
 
 from dagster import DynamicPartitionsDefinition, Failure, MaterializeResult
@@ -44,14 +45,15 @@ def each_round(context, store, one: Callable[[str], MaterializeResult]) -> Mater
     )
     results = []
     for key in ordered_keys(context):
-        try:
-            with store.round_lock(key, holder):
-                results.append(one(key))
-        except Busy as e:
-            raise Failure(
-                description=f"round {key} is being written by {e}. This run stops here; re-run it once "
-                "that run has ended (what is stored is kept, a re-run reuses it)"
-            ) from None
+        with ExitStack() as held:
+            try:
+                held.enter_context(store.round_lock(key, holder))
+            except Busy as e:
+                raise Failure(
+                    description=f"round {key} is being written by {e}. This run stops here; re-run it "
+                    "once that run has ended (what is stored is kept, a re-run reuses it)"
+                ) from None
+            results.append(one(key))
     return merged(results)
 
 

@@ -10,6 +10,7 @@ drops a lock when its holder dies, so a killed run never leaves one behind.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,15 +23,17 @@ class Busy(RuntimeError):
 
 
 def _open(path: Path) -> IO[str] | None:
-    """The lock file, created if it can be; None where it can be neither created nor opened (its
-    folder is missing, or the storage is read-only: nothing there can be replaced either)."""
+    """The lock file, created if it can be; None where its folder is missing or the storage is
+    read-only and it does not exist (nothing there can be swapped either). Other errors raise."""
     try:
         return path.open("a+")
-    except OSError:
-        try:
-            return path.open()
-        except OSError:
-            return None
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.ENOENT):
+            raise
+    try:
+        return path.open()
+    except FileNotFoundError:
+        return None
 
 
 @contextmanager

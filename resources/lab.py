@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, InitResourceContext
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.processing import SamplingParams
@@ -143,6 +143,11 @@ class LabResource(ConfigurableResource):
     """The model name that server serves (`--served-model-name`)."""
     seed: int = 0
     """Seed of puzzle sampling, engine sampling and minibatch shuffles."""
+
+    def setup_for_execution(self, context: InitResourceContext) -> None:
+        """A run's settings, whatever set them (the settings file, the launchpad's run config, the
+        CLI), are checked before its first step."""
+        self.check()
 
     def check(self) -> None:
         """Build every configuration a round derives from these settings, so that settings that

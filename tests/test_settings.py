@@ -152,3 +152,29 @@ def test_a_setting_that_cannot_be_honoured_is_refused_when_read_not_mid_round(tm
         return
     resource.tiny_model(), resource.warm_start(), resource.sampling(), resource.trainer()
     check_gate_settings(resource.gate_margin, resource.gate_confidence)
+
+
+def test_settings_given_as_run_config_are_checked_before_the_first_step(tmp_path):
+    """The launchpad or the CLI can override the settings file with run config: the run fails at its
+    start with the reason, before any step writes anything."""
+    from dagster import instance_for_test, materialize
+
+    from assets.base_model import base_model
+    from resources.store import StoreResource
+
+    with instance_for_test() as instance:
+        result = materialize(
+            [base_model],
+            instance=instance,
+            resources={"store": StoreResource(root=str(tmp_path)), "lab": LabResource()},
+            run_config={"resources": {"lab": {"config": {"eval_puzzles": -3}}}},
+            raise_on_error=False,
+        )
+    assert not result.success
+    said = [
+        str(e.event_specific_data)
+        for e in result.all_events
+        if e.is_failure or "FAILURE" in e.event_type_value
+    ]
+    assert any("eval_puzzles must be >= 0, got -3" in s for s in said), said
+    assert not (tmp_path / "tables").exists()

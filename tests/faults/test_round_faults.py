@@ -213,6 +213,7 @@ def _invariants(root: Path, reference: Path, rounds: tuple[int, ...] = (1,)) -> 
     uninterrupted; returns the calls lost and the duplicate rows."""
     tables, ref = DeltaStore(root / "tables"), DeltaStore(reference / "tables")
     duplicated = _left_behind(tables, rounds[-1])
+    assert not list(root.rglob("*.tmp-*.lock")), "a lock file of a temporary folder was left behind"
     served = lambda store: {  # noqa: E731 (every column but the wall-clock time it was made)
         c["call_id"]: {k: v for k, v in c.items() if k != "created_at"}
         for k in rounds

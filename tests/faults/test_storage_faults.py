@@ -66,7 +66,8 @@ def test_a_full_or_read_only_disk_fails_writes_clearly_and_keeps_what_was_commit
     assert load_checkpoint(small_disk / "ckpt")[2]["step"] == 1  # the previous checkpoint, whole
     assert not [p.name for p in small_disk.iterdir() if p.name.startswith(".tmp-")]  # no partial left
     filler.unlink()
-    (small_disk / ".ckpt.lock").unlink()  # a load on read-only storage cannot make its lock file
+    save_checkpoint(small_disk / "bare", tiny_model, None, {"step": 1})
+    (small_disk / ".bare.lock").unlink()  # read-only, a load can neither make its lock file
     _remount(small_disk, "ro")
     try:
         with pytest.raises(StorageError, match="Read-only|read-only"):
@@ -74,6 +75,7 @@ def test_a_full_or_read_only_disk_fails_writes_clearly_and_keeps_what_was_commit
         with pytest.raises(OSError, match="Read-only|read-only"):
             save_checkpoint(small_disk / "ckpt", tiny_model, None, {"step": 3})
         assert tables.read("rejects").num_rows == 10 and load_checkpoint(small_disk / "ckpt")[2]["step"] == 1
+        assert load_checkpoint(small_disk / "bare")[2]["step"] == 1  # nor lock it: nothing can swap it
     finally:
         _remount(small_disk, "rw")
     tables.overwrite_round("rejects", _rejects(10, "d"), 1)  # the fault is gone: writing works again
