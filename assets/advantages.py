@@ -2,7 +2,7 @@
 
 import math
 
-from dagster import AssetExecutionContext, BackfillPolicy, MaterializeResult, asset
+from dagster import AssetExecutionContext, BackfillPolicy, Failure, MaterializeResult, asset
 
 from assets.partitions import each_round, round_number, rounds
 from assets.trajectories import trajectories
@@ -19,8 +19,10 @@ from resources.store import StoreResource
     backfill_policy=BackfillPolicy.single_run(),
 )
 def advantages(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
-    """Batch-mean baseline per minibatch of B trajectories; one row per trained trajectory."""
-    return each_round(context, store, lambda key: _advantages_round(context, key, store, lab))
+    """Batch-mean baseline per minibatch of B trajectories; one row per trained trajectory. The
+    table is per round: a counterfactual replay keeps the stored advantages of the experiment that
+    collected the traffic, and fails if its own settings would give other ones."""
+    return each_round(context, store, lab.experiment, lambda key: _advantages_round(context, key, store, lab))
 
 
 def _advantages_round(
@@ -33,7 +35,15 @@ def _advantages_round(
     rows = compute_advantages(tables, k, cfg.batch_size, cfg.steps, cfg.seed)
     if rows.num_rows == 0:
         raise RuntimeError(f"round {k}: no scored trajectories to compute advantages from")
-    tables.overwrite_round("advantages", rows, k)
+    stored = tables.read("advantages", k).sort_by("trajectory_id")
+    if not lab.counterfactual or not stored.num_rows:
+        tables.overwrite_round("advantages", rows, k)
+    elif not stored.equals(rows.select(stored.schema.names).cast(stored.schema).sort_by("trajectory_id")):
+        raise Failure(
+            description=f"round {k}: this counterfactual replay's trainer settings (steps, batch_size, "
+            "seed) give other advantages than those stored for the round, which the experiment that "
+            "collected its traffic trains on; replay it with that experiment's settings"
+        )
     adv = rows.column("advantage").to_pylist()
     minibatches = len(set(rows.column("minibatch").to_pylist()))
     if minibatches < cfg.steps:

@@ -65,7 +65,9 @@ def checkpoint(
 ) -> MaterializeResult:
     """Train the round. The parent is the checkpoint behind the deployment that served the round's
     trajectories (lineage is data: `deployment_id` on every trajectory row)."""
-    return each_round(context, store, lambda key: _checkpoint_round(context, key, config, store, lab))
+    return each_round(
+        context, store, lab.experiment, lambda key: _checkpoint_round(context, key, config, store, lab)
+    )
 
 
 def _checkpoint_round(

@@ -56,7 +56,7 @@ GOLDEN_CALLS = 8  # recorded calls whose completions the vLLM swap check scores
 def deployment(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """Quantize and register the round's checkpoint, evaluate it on the held-out puzzles, and make
     it live only if the deploy gate passes; otherwise live stays and downstream assets are skipped."""
-    return each_round(context, store, lambda key: _deployment_round(context, key, store, lab))
+    return each_round(context, store, lab.experiment, lambda key: _deployment_round(context, key, store, lab))
 
 
 def _swap_vllm(  # noqa: PLR0913

@@ -34,7 +34,9 @@ SUMMARY_COLUMNS = [
 def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """The round's held-out results (stored per puzzle by the deploy gate's evaluation), the
     per-round table of the run, the reward curve and the mismatch sawtooth."""
-    return each_round(context, store, lambda key: _eval_report_round(context, key, store, lab))
+    return each_round(
+        context, store, lab.experiment, lambda key: _eval_report_round(context, key, store, lab)
+    )
 
 
 def _eval_report_round(

@@ -35,10 +35,11 @@ def ordered_keys(context) -> list[str]:
     return sorted(context.partition_keys, key=round_number)
 
 
-def each_round(context, store, one: Callable[[str], MaterializeResult]) -> MaterializeResult:
-    """`one(key)` for each of the run's rounds in order, each holding its round's lock for the call
-    (`StoreResource.round_lock`), merged into one result. A round another run is writing fails the
-    step at once, before anything is written, with a message naming that run."""
+def each_round(context, store, experiment: str, one: Callable[[str], MaterializeResult]) -> MaterializeResult:
+    """`one(key)` for each of the run's rounds in order, each holding the lock of the experiment's
+    round for the call (`StoreResource.round_lock`), merged into one result. A round another run of
+    the experiment is writing fails the step at once, before that round is written, with a message
+    naming that run."""
     holder = (
         f"run {context.run.run_id} (step {context.op_def.name}, pid {os.getpid()} on "
         f"{socket.gethostname()}, since {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC)"
@@ -47,11 +48,11 @@ def each_round(context, store, one: Callable[[str], MaterializeResult]) -> Mater
     for key in ordered_keys(context):
         with ExitStack() as held:
             try:
-                held.enter_context(store.round_lock(key, holder))
+                held.enter_context(store.round_lock(experiment, key, holder))
             except Busy as e:
                 raise Failure(
-                    description=f"round {key} is being written by {e}. This run stops here; re-run it "
-                    "once that run has ended (what is stored is kept, a re-run reuses it)"
+                    description=f"round {key} of {experiment} is being written by {e}. This run stops "
+                    "here; re-run it once that run has ended (what is stored is kept, a re-run reuses it)"
                 ) from None
             results.append(one(key))
     return merged(results)

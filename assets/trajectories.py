@@ -52,7 +52,9 @@ def trajectories(
 ) -> MaterializeResult:
     """Collect the round's trajectories, validate them against the data contract (violations go
     to `rejects`) and store calls and trajectories for the round."""
-    return each_round(context, store, lambda key: _trajectories_round(context, key, config, store, lab))
+    return each_round(
+        context, store, lab.experiment, lambda key: _trajectories_round(context, key, config, store, lab)
+    )
 
 
 def _trajectories_round(

@@ -35,8 +35,9 @@ class StoreResource(ConfigurableResource):
     def artifacts(self) -> Artifacts:
         return Artifacts(self.artifacts_uri or self.root, self.storage_options, Path(self.root, "cache"))
 
-    def round_lock(self, key: str, holder: str) -> AbstractContextManager[None]:
-        """Exclusive hold on round `key` for one step of one run, or `locks.Busy` naming its holder
-        (`<root>/locks/<key>.lock`): two runs of one round never write it at once. It guards the runs
-        that share this machine's root; across machines the run queue's per-partition limit does."""
-        return holding(Path(self.root, "locks", f"{key}.lock"), holder)
+    def round_lock(self, experiment: str, key: str, holder: str) -> AbstractContextManager[None]:
+        """Exclusive hold on round `key` of `experiment` for one step of one run, or `locks.Busy`
+        naming its holder (`<root>/locks/<experiment>/<key>.lock`): two runs of one round never write
+        it at once, while a counterfactual replay (another experiment) runs beside it. It guards the
+        runs that share this machine's root; across machines the run queue's per-partition limit does."""
+        return holding(Path(self.root, "locks", experiment, f"{key}.lock"), holder)

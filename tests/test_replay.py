@@ -44,6 +44,7 @@ def test_replay_is_in_order_and_bit_identical_and_counterfactual_leaves_the_orig
         lineage = sorted(tables.read("checkpoints").to_pylist(), key=lambda r: r["checkpoint_id"])
 
         # counterfactual: the same traffic, another estimator, its own chain, never live
+        advantages_version = tables.table("advantages").version()
         cf = _resources(tmp_path, gate_margin=1.0, experiment="cf-tis", counterfactual=True)
         run_config = {"ops": {"checkpoint": {"config": {"estimator": {"type": "tis_ppo"}}}}}
         result = materialize(
@@ -55,6 +56,7 @@ def test_replay_is_in_order_and_bit_identical_and_counterfactual_leaves_the_orig
             run_config=run_config,
         )
         assert result.success
+        assert tables.table("advantages").version() == advantages_version  # kept, not rewritten
         assert _hashes(tmp_path, "main") == original
         after = sorted(tables.read("checkpoints").to_pylist(), key=lambda r: r["checkpoint_id"])
         assert [r for r in after if r["experiment"] != "cf-tis"] == lineage
@@ -77,3 +79,14 @@ def test_replay_is_in_order_and_bit_identical_and_counterfactual_leaves_the_orig
             "main solve rate" in meta["vs_original"].value
             and "cf-tis solve rate" in meta["vs_original"].value
         )
+
+        # a replay whose settings would give the round other advantages is refused: the original's stay
+        odd = _resources(tmp_path, experiment="cf-odd", counterfactual=True, batch_size=4)
+        refused = materialize(
+            ASSETS, selection=ROUND[1:2], partition_key=round_key(1), instance=instance, resources=odd,
+            raise_on_error=False,
+        )  # fmt: skip
+        assert not refused.success
+        failure = next(e for e in refused.all_events if e.event_type_value == "STEP_FAILURE")
+        assert "give other advantages than those stored" in str(failure.event_specific_data)
+        assert tables.table("advantages").version() == advantages_version

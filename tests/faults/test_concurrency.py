@@ -37,12 +37,12 @@ def test_a_round_another_run_is_writing_fails_at_once_naming_it_and_runs_once_it
     _base(root, home)
     holder = "run 0f1e2d3c (step checkpoint, pid 4242 on trainer-7, since 2026-12-01 03:00:00 UTC)"
     with _instance(home) as instance:
-        with holding(root / "locks" / f"{round_key(1)}.lock", holder):
+        with holding(root / "locks" / "main" / f"{round_key(1)}.lock", holder):
             blocked = _round(instance, root, 1)
         assert not blocked.success
         failures = _outcomes(home)[blocked.run_id]
         assert failures == [
-            f"round r000001 {BUSY} {holder[4:]}. This run stops here; re-run it once "
+            f"round r000001 of main {BUSY} {holder[4:]}. This run stops here; re-run it once "
             "that run has ended (what is stored is kept, a re-run reuses it)"
         ]
         tables = DeltaStore(root / "tables")
