@@ -256,3 +256,52 @@ def test_a_stored_optimizer_state_continues_under_this_rounds_hyperparameters(ti
     assert len(moments) == len(state["state"]) and all(
         torch.equal(a, b["exp_avg"]) for a, b in zip(moments, state["state"].values(), strict=True)
     )
+
+
+def test_step_diagnostics_summarize_every_microbatch_of_the_step(tiny_model, recorded):
+    """Each step's diagnostics cover all of its tokens, over several microbatches (two calls each):
+    on policy, pi = pi_k = mu at the first step, so the total mismatch is the engine's (both ~0); a
+    cap below every IS ratio (all 1 on policy) truncates every token; a PPO clip of 1e-6 clips none
+    at the first step (r = 1) and some at the second, after a large step."""
+    adv = _advantages(recorded, batch_size=4)
+    tis = EstimatorConfig(type="tis_ppo", is_cap=0.5, eps_low=1e-6, eps_high=1e-6)
+    model, cfg = (
+        copy.deepcopy(tiny_model),
+        TrainerConfig(steps=2, batch_size=4, lr=5e-2, microbatch_calls=2, estimator=tis),
+    )
+    rows = train_round(model, make_optimizer(model, cfg, None), recorded.calls, adv, cfg, pad_id=0)
+    assert rows[0]["total_mismatch"] == pytest.approx(rows[0]["engine_mismatch"], abs=1e-7)
+    assert rows[0]["total_mismatch"] < ENGINE_VS_TRAINER_ATOL
+    assert [r["rho_truncated_fraction"] for r in rows] == [1.0, 1.0]
+    assert rows[0]["clip_fraction"] == 0.0 < rows[1]["clip_fraction"]
+
+
+def test_the_trust_region_counts_the_trajectories_it_drops_over_every_microbatch(tiny_model, recorded):
+    """mu recorded 0.3 nats below pi on every sampled token: every trajectory's mean Bernoulli KL
+    exceeds a delta of 1e-9, so all four of the step's trajectories are dropped, spread over its
+    microbatches of two calls; the engine mismatch is the shift."""
+    for call in recorded.calls:
+        call["completion_logprobs"] = [v - 0.3 for v in call["completion_logprobs"]]
+    adv = [a for a in _advantages(recorded, batch_size=4) if a["minibatch"] == 0]
+    tr = EstimatorConfig(type="token_is", trust_region=True, trust_region_delta=1e-9)
+    model, cfg = (
+        copy.deepcopy(tiny_model),
+        TrainerConfig(steps=1, batch_size=4, microbatch_calls=2, estimator=tr),
+    )
+    [row] = train_round(model, make_optimizer(model, cfg, None), recorded.calls, adv, cfg, pad_id=0)
+    assert row["dropped_trajectories"] == 4
+    assert row["engine_mismatch"] == pytest.approx(0.3, abs=1e-4)
+
+
+def test_inputs_the_trainer_cannot_use_are_refused_with_the_reason(tiny_model, recorded):
+    adv = _advantages(recorded, batch_size=4)
+    model = copy.deepcopy(tiny_model)
+    ref = TrainerConfig(steps=2, batch_size=4, estimator=EstimatorConfig(type="ref_is"))
+    with pytest.raises(
+        ValueError, match=r"^estimator ref_is needs reference log-probs from the dequantized deployment$"
+    ):
+        train_round(model, make_optimizer(model, ref, None), recorded.calls, adv, ref, pad_id=0)
+    cfg = TrainerConfig(steps=2, batch_size=4)
+    orphan = [*adv, {**adv[0], "trajectory_id": "nobody"}]
+    with pytest.raises(ValueError, match=r"^trajectory nobody has an advantage but no calls$"):
+        train_round(model, make_optimizer(model, cfg, None), recorded.calls, orphan, cfg, pad_id=0)
