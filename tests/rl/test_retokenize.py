@@ -133,3 +133,29 @@ def test_differing_stretches_are_told_apart_by_kind(tokenizer):
     assert _kind(tokenizer, ids("{")) == "tool-call rendering"
     assert _kind(tokenizer, ids('"')) == "tool-call rendering"
     assert _kind(tokenizer, ids("e4")) == "move or content tokens"
+
+
+def test_retokenizing_again_changes_nothing_and_reports_no_difference(recorded, tokenizer):
+    """Ids that already are the conversation's rendering agree at every position: kept whole."""
+    once, _ = retokenize_calls(recorded.calls, tokenizer)
+    twice, report = retokenize_calls(once, tokenizer)
+    assert [repr(c) for c in twice] == [repr(c) for c in once]  # repr: NaN equals NaN
+    assert report["prompt_differs"] == report["completion_differs"] == 0
+    assert not [k for k in report if k.startswith("stretch")]
+
+
+def test_a_differing_prompt_is_replaced_and_counted_and_recorded_supports_kept_where_aligned(
+    recorded, tokenizer
+):
+    calls = recorded.calls[:3]
+    for call in calls[:2]:
+        call["prompt_token_ids"] = call["prompt_token_ids"][1:]  # as another tokenizer would have cut it
+    n = len(calls[0]["completion_token_ids"])
+    calls[0]["support_token_ids"] = [[5, 6, 7]] * n  # as if recorded under a top-k of three
+    rebuilt, report = retokenize_calls(calls, tokenizer)
+    assert report["prompt_differs"] == 2
+    assert [len(c["prompt_token_ids"]) for c in rebuilt[:2]] == [
+        len(c["prompt_token_ids"]) + 1 for c in calls[:2]
+    ]
+    assert rebuilt[0]["support_token_ids"] == [[5, 6, 7]] * n + [[]]  # the new newline: the whole vocabulary
+    assert set(k for k in report if k.startswith("stretch")) == {"stretch: template whitespace"}
