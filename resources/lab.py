@@ -152,9 +152,32 @@ class LabResource(ConfigurableResource):
     def check(self) -> None:
         """Build every configuration a round derives from these settings, so that settings that
         cannot be honoured are refused when they are read, not mid-round (ValueError, the reason)."""
-        self.tiny_model(), self.warm_start(), self.sampling(), self.trainer()
-        check_recording(self.top_logprobs, self.extra_samples)
-        check_gate_settings(self.gate_margin, self.gate_confidence)
+        derived = {  # each configuration, and the settings it is built from
+            "model": (self.tiny_model, "hidden_size num_layers num_heads num_kv_heads intermediate_size"),
+            "warm start": (
+                self.warm_start,
+                "warm_start_steps warm_start_puzzles warm_start_batch warm_start_lr",
+            ),
+            "sampling": (self.sampling, "temperature top_p top_k max_tokens"),
+            "trainer": (
+                self.trainer,
+                "steps batch_size lr warmup_steps grad_clip estimator microbatch_calls resume_every qat "
+                "quant_format trainer_processes trainer_image tokens trainer_device",
+            ),
+            "recording": (
+                lambda: check_recording(self.top_logprobs, self.extra_samples),
+                "top_logprobs extra_samples",
+            ),
+            "deploy gate": (
+                lambda: check_gate_settings(self.gate_margin, self.gate_confidence),
+                "gate_margin gate_confidence",
+            ),
+        }
+        for what, (build, settings) in derived.items():
+            try:
+                build()
+            except ValueError as e:
+                raise ValueError(f"the {what} settings ({', '.join(settings.split())}): {e}") from e
         for name in ("eval_puzzles", "trainer_processes", "mismatch_warn", "staleness_warn"):
             if not getattr(self, name) >= 0:  # NaN fails too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

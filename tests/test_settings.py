@@ -148,7 +148,7 @@ def test_a_setting_that_cannot_be_honoured_is_refused_when_read_not_mid_round(tm
     try:
         resource = settings_from_environment({"PRODRL_SETTINGS": str(path)})["lab"]
     except ValueError as e:
-        assert str(path) in str(e)
+        assert str(path) in str(e) and any(name in str(e) for name in lab), str(e)  # names file and setting
         return
     resource.tiny_model(), resource.warm_start(), resource.sampling(), resource.trainer()
     check_gate_settings(resource.gate_margin, resource.gate_confidence)
