@@ -6,7 +6,7 @@ import torch
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.logprobs import build_sequences, token_logprobs
-from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
+from prodrl_pipeline.rl.trainer import TrainerConfig, _microbatches, make_optimizer, train_round
 from tests.rl.conftest import record
 
 ENGINE_VS_TRAINER_ATOL = 2e-5  # fp32, KV cache + left padding vs one right-padded forward pass
@@ -305,3 +305,41 @@ def test_inputs_the_trainer_cannot_use_are_refused_with_the_reason(tiny_model, r
     orphan = [*adv, {**adv[0], "trajectory_id": "nobody"}]
     with pytest.raises(ValueError, match=r"^trajectory nobody has an advantage but no calls$"):
         train_round(model, make_optimizer(model, cfg, None), recorded.calls, orphan, cfg, pad_id=0)
+
+
+def _call(trajectory: str, index: int, prompt: int, completion: int) -> dict:
+    return {
+        "trajectory_id": trajectory,
+        "call_index": index,
+        "prompt_token_ids": [1] * prompt,
+        "completion_token_ids": [2] * completion,
+    }
+
+
+def test_microbatches_pack_whole_trajectories_shortest_first_in_call_order():
+    """Trajectories by their longest call (prompt + completion), packed greedily up to `size` calls
+    (one larger than `size` alone), each trajectory's calls in call order."""
+    calls = [
+        _call("long", 1, 10, 30),  # longest call 40
+        _call("long", 0, 5, 5),
+        _call("mid", 0, 20, 5),  # 25: a long prompt, a short completion
+        _call("short", 1, 3, 3),  # 8
+        _call("short", 0, 2, 2),
+        _call("big", 0, 1, 1),  # 4 calls of 2: longer than size alone, and shortest
+        _call("big", 2, 1, 1),
+        _call("big", 1, 1, 1),
+        _call("big", 3, 1, 1),
+    ]
+    layout = [[(c["trajectory_id"], c["call_index"]) for c in mb] for mb in _microbatches(calls, size=3)]
+    assert layout == [
+        [("big", 0), ("big", 1), ("big", 2), ("big", 3)],
+        [("short", 0), ("short", 1), ("mid", 0)],  # exactly size: not split
+        [("long", 0), ("long", 1)],
+    ]
+    assert _microbatches([], size=3) == []
+
+
+def test_a_new_optimizer_starts_at_the_configured_learning_rate(tiny_model):
+    cfg = TrainerConfig(lr=3e-3, beta1=0.8, beta2=0.9)
+    [group] = make_optimizer(tiny_model, cfg, None).param_groups
+    assert (group["lr"], group["betas"]) == (3e-3, (0.8, 0.9))
