@@ -349,3 +349,33 @@ def test_a_new_optimizer_starts_at_the_configured_learning_rate(tiny_model):
     cfg = TrainerConfig(lr=3e-3, beta1=0.8, beta2=0.9)
     [group] = make_optimizer(tiny_model, cfg, None).param_groups
     assert (group["lr"], group["betas"]) == (3e-3, (0.8, 0.9))
+
+
+def test_each_step_reports_its_row_exactly_and_hands_it_to_progress(tiny_model, recorded):
+    """The per-step row: its fields, the minibatch it trained (trajectories, tokens, mean reward),
+    the lag behind the behaviour checkpoint, zero clip and truncation fractions for an estimator
+    that neither clips nor truncates, and the learning rate the optimizer actually used."""
+    adv = _advantages(recorded, batch_size=4)
+    model, cfg = copy.deepcopy(tiny_model), TrainerConfig(steps=2, batch_size=4, lr=1e-3, warmup_steps=10)
+    opt, seen = make_optimizer(model, cfg, None), []
+    rows = train_round(
+        model, opt, recorded.calls, adv, cfg, pad_id=0, first_step=5, behaviour_step=3, progress=seen.append
+    )
+    assert seen == rows and [r["step"] for r in rows] == [6, 7]
+    assert set(rows[0]) == {
+        "step", "estimator", "n_trajectories", "n_tokens", "reward_mean", "loss", "lr", "grad_norm",
+        "entropy", "engine_mismatch", "staleness", "total_mismatch", "clip_fraction",
+        "rho_truncated_fraction", "kl", "dropped_trajectories", "policy_lag_steps", "seconds",
+    }  # fmt: skip
+    length = {c["trajectory_id"]: 0 for c in recorded.calls}
+    for c in recorded.calls:
+        length[c["trajectory_id"]] += len(c["completion_token_ids"])
+    for row, mb in zip(rows, (adv[:4], adv[4:8]), strict=True):
+        assert row["estimator"] == "score_centering" and row["n_trajectories"] == 4
+        assert row["n_tokens"] == sum(length[a["trajectory_id"]] for a in mb)
+        assert row["reward_mean"] == pytest.approx(sum(a["reward"] for a in mb) / 4)
+        assert row["clip_fraction"] == 0.0 and row["rho_truncated_fraction"] == 0.0
+        assert row["dropped_trajectories"] == 0 and row["entropy"] > 0 and 0 < row["seconds"] < 600
+    assert [r["policy_lag_steps"] for r in rows] == [2, 3]  # behind the checkpoint at step 3
+    assert [r["lr"] for r in rows] == [cfg.lr_at(6), cfg.lr_at(7)] == [6e-4, 7e-4]
+    assert opt.param_groups[0]["lr"] == rows[-1]["lr"]
