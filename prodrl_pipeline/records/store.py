@@ -130,6 +130,8 @@ class DeltaStore:
         except CommitFailedError:
             raise
         except (DeltaError, OSError) as e:
+            if "Json error" in str(e):  # its log is corrupt: the read says so, naming the table
+                self.table(table)
             raise StorageError(
                 f"writing {data.num_rows} rows to table {table!r} failed: {_one_line(e)}; the table stays "
                 f"at its last committed version ({self._last_version(table)})"

@@ -89,3 +89,11 @@ def test_the_trainer_evaluates_pi_as_served_with_the_recorded_logit_bias(
     )
     gap = (ignored.logprobs[free] - seqs.deployment_logprobs[free]).abs().max()
     assert gap > 0.1  # dropping the bias would train against a distribution nobody served
+
+
+def test_calls_with_different_numbers_of_extra_samples_are_not_batched(recorded):
+    """Extra samples are one tensor column per sample: a batch must agree on how many."""
+    first, second = recorded.calls[0], dict(recorded.calls[1])
+    second["extra_token_ids"] = [e[:1] for e in second["extra_token_ids"]]  # one where the rest have two
+    with pytest.raises(ValueError, match="^calls of one batch recorded different numbers of extra samples$"):
+        build_sequences([first, second], pad_id=0)
