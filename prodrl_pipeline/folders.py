@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from prodrl_pipeline.locks import folder_lock
+from prodrl_pipeline.locks import PRIVATE, folder_lock
 
 
 @contextmanager
@@ -20,7 +20,7 @@ def replacing(target: Path) -> Iterator[Path]:
     `.old-<name>-*`), made while holding `target`'s folder lock, so a load holding it shared never
     sees the swap half done; on an error it is removed and `target` is untouched."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{PRIVATE}{target.name}-", dir=target.parent))
     try:
         yield tmp
     except BaseException:

@@ -17,6 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+PRIVATE = ".tmp-"
+"""Name prefix of a folder being written, before it is renamed into place."""
+
 
 class Busy(RuntimeError):
     """The lock is held by someone else; the message is the holder's description."""
@@ -57,8 +60,10 @@ def holding(path: Path, holder: str) -> Iterator[None]:
 
 @contextmanager
 def folder_lock(folder: Path, shared: bool) -> Iterator[None]:
-    """Hold the readers-writer lock of `folder` (the file `.<name>.lock` beside it), waiting for it."""
-    f = _open(folder.parent / f".{folder.name}.lock")
+    """Hold the readers-writer lock of `folder` (the file `.<name>.lock` beside it), waiting for it.
+    A folder being written (`PRIVATE`: the temporary sibling of `folders.replacing`) belongs to its
+    writer alone, and is read without one."""
+    f = None if folder.name.startswith(PRIVATE) else _open(folder.parent / f".{folder.name}.lock")
     if f is None:
         yield
         return

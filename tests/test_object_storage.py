@@ -98,7 +98,8 @@ def test_a_round_runs_on_s3_and_postgres_with_torchrun_training(tmp_path, s3):
         "model.safetensors",
         "hf_quant_config.json",
     }
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "moto.log"]  # nothing else local
+    # nothing else local: downloaded copies, and the round locks (they guard runs on this machine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "locks", "moto.log"]
     fresh = Artifacts(f"s3://{BUCKET}/artifacts", s3, tmp_path / "other-cache")  # another machine's view
     saved = json.loads((fresh.local(ckpt["path"]) / META_FILE).read_text())
     assert saved["data_parallel"] == 2 and saved["parent_id"] == BASE

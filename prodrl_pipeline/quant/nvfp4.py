@@ -200,7 +200,7 @@ def _load_deployment(path: Path) -> PreTrainedModel:
 
 def weight_error(model: PreTrainedModel, path: str | Path) -> float:
     """Mean relative error sum|W_hat - W| / sum|W| over the exported linear weights (0 for `none`)."""
-    served = _load_deployment(Path(path)).state_dict()  # a folder being written: no one swaps it
+    served = load_deployment(path).state_dict()
     num = den = 0.0
     for name, w in model.state_dict().items():
         if QUANTIZED.match(name):
