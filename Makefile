@@ -16,9 +16,9 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 
 install: $(BIN)/.installed
 
-$(DAGSTER_HOME)/dagster.yaml: dagster.yaml
+$(DAGSTER_HOME)/dagster.yaml: instance.yaml
 	mkdir -p $(DAGSTER_HOME)
-	cp dagster.yaml $@
+	cp instance.yaml $@
 
 demo: install $(DAGSTER_HOME)/dagster.yaml  ## build the base model and run 3 rounds through Dagster
 	$(BIN)/python -m assets.demo --rounds 3
@@ -49,8 +49,11 @@ mutation: install
 	env -u PYTHONPATH OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children 2 $(MUTANTS)
 	$(BIN)/python scripts/mutation_score.py --json mutants/score.json
 
+# `dagster dev` warns that `dg dev` supersedes it; dg needs a project layout of its own, so the
+# warning (nothing to act on here) is silenced by its exact text. UI_PORT picks another port.
+UI_PORT ?= 3000
 ui: install $(DAGSTER_HOME)/dagster.yaml  ## Dagster UI + daemon on http://127.0.0.1:3000 over the demo's instance
-	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+	PYTHONWARNINGS='ignore:Function `dev_command` is superseded' $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(UI_PORT)
 
 serve: install  ## the capture gateway on http://127.0.0.1:8000, following the live deployment (run `make demo` first)
 	$(BIN)/python -m resources.serve --port 8000

@@ -5,7 +5,7 @@ from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeve
 
 from assets.advantages import advantages
 from assets.checkpoint import checkpoint
-from assets.partitions import ordered_keys, round_number
+from assets.partitions import ordered_keys, round_number, rounds
 from assets.trajectories import trajectories
 from prodrl_pipeline.records import checks
 from resources.lab import LabResource
@@ -20,7 +20,9 @@ def _all_rounds(results: list[tuple[bool, dict]], keys: list[str]) -> AssetCheck
 
 
 @asset_check(
-    asset=trajectories, description="stored calls keep the data contract; every trajectory is scored"
+    asset=trajectories,
+    description="stored calls keep the data contract; every trajectory is scored",
+    partitions_def=rounds,
 )
 def token_integrity(context: AssetCheckExecutionContext, store: StoreResource) -> AssetCheckResult:
     tables, keys = store.tables(), ordered_keys(context)
@@ -36,7 +38,11 @@ def token_integrity(context: AssetCheckExecutionContext, store: StoreResource) -
     )
 
 
-@asset_check(asset=advantages, description="finite advantages, one per trajectory, zero sum per minibatch")
+@asset_check(
+    asset=advantages,
+    description="finite advantages, one per trajectory, zero sum per minibatch",
+    partitions_def=rounds,
+)
 def advantage_sanity(context: AssetCheckExecutionContext, store: StoreResource) -> AssetCheckResult:
     tables, keys = store.tables(), ordered_keys(context)
 
@@ -47,7 +53,11 @@ def advantage_sanity(context: AssetCheckExecutionContext, store: StoreResource) 
     return _all_rounds([one(round_number(k)) for k in keys], keys)
 
 
-@asset_check(asset=checkpoint, description="mismatch above thresholds warns; a sustained rise fails")
+@asset_check(
+    asset=checkpoint,
+    description="mismatch above thresholds warns; a sustained rise fails",
+    partitions_def=rounds,
+)
 def mismatch_monitor(
     context: AssetCheckExecutionContext, store: StoreResource, lab: LabResource
 ) -> AssetCheckResult:

@@ -1,7 +1,9 @@
 """`make demo`: build the base model, then run rounds through a real Dagster instance.
 
-Runs land in $DAGSTER_HOME (default .prodrl/dagster_home), so `make ui` shows them afterwards.
-Running it again continues the same long run with the next rounds.
+Each run is submitted to the instance ($DAGSTER_HOME, default .prodrl/dagster_home) as the UI's
+Launch button submits it, queued, and launched by the Dagster daemon, which the demo runs for its
+duration; its progress is read back from the run's event log. `make ui` shows the same runs
+afterwards. Running it again continues the same long run with the next rounds.
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ import os
 import time
 from pathlib import Path
 
-from dagster import DagsterInstance
-from transformers.utils import logging as hf_logging
+from dagster import DagsterInstance, DagsterRunStatus
 
-from assets.definitions import defs
 from assets.eval_report import SUMMARY_COLUMNS
+from assets.launch import daemon, follow, submit, workspace
 from assets.partitions import round_key, round_number
 from prodrl_pipeline.evals.report import gain_over_base, markdown_table
 from prodrl_pipeline.records.queries import round_summary
 from resources.settings import resources_from_environment
+
+WORKSPACE = "workspace.yaml"
 
 
 def main() -> None:
@@ -28,31 +31,32 @@ def main() -> None:
     args = parser.parse_args()
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path(".prodrl/dagster_home").resolve())))
     home.mkdir(parents=True, exist_ok=True)
-    instance = DagsterInstance.get()
-    hf_logging.disable_progress_bar()
-    run_config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
     t0 = time.perf_counter()
-    print(f"== base model (DAGSTER_HOME={home})", flush=True)
-    if (
-        not defs.resolve_job_def("base_job")
-        .execute_in_process(instance=instance, run_config=run_config)
-        .success
+    with (
+        DagsterInstance.get() as instance,
+        daemon(WORKSPACE, home / "daemon.log") as proc,
+        workspace(instance, WORKSPACE) as context,
     ):
-        raise SystemExit("base_model failed")
-    done = [round_number(k) for k in instance.get_dynamic_partitions("rounds")]
-    first = max(done, default=0) + 1
-    for k in range(first, first + args.rounds):
-        key = round_key(k)
-        print(f"== round {k} ({key})", flush=True)
-        t = time.perf_counter()
-        instance.add_dynamic_partitions("rounds", [key])
-        if (
-            not defs.resolve_job_def("round_job")
-            .execute_in_process(partition_key=key, instance=instance, run_config=run_config)
-            .success
-        ):
-            raise SystemExit(f"round {k} failed")
-        print(f"== round {k} took {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"prodrl demo: runs go to DAGSTER_HOME={home}; the daemon's log is {home / 'daemon.log'}")
+
+        def run(job: str, label: str, tags: dict[str, str] | None = None) -> None:
+            t = time.perf_counter()
+            print(f"== {label}: {job} submitted", flush=True)
+            run_id = submit(instance, context, job, tags)
+            last = follow(
+                instance, run_id, lambda line: print(f"[{label}] {line}", flush=True), lambda: proc.poll() is None
+            )
+            if instance.get_run_by_id(last).status != DagsterRunStatus.SUCCESS:
+                raise SystemExit(f"{label} failed: run {last} (`make ui`, Runs, shows its logs)")
+            print(f"== {label} took {time.perf_counter() - t:.1f} s", flush=True)
+
+        run("base_job", "base model")
+        done = [round_number(k) for k in instance.get_dynamic_partitions("rounds")]
+        first = max(done, default=0) + 1
+        for k in range(first, first + args.rounds):
+            key = round_key(k)
+            instance.add_dynamic_partitions("rounds", [key])
+            run("round_job", f"round {k}", {"dagster/partition": key})
     resources = resources_from_environment()  # what the definitions use
     store, experiment = resources["store"], resources["lab"].experiment
     summary = round_summary(store.tables(), experiment)

@@ -49,6 +49,7 @@ GOLDEN_CALLS = 8  # recorded calls whose completions the vLLM swap check scores
             asset="deployment",
             blocking=True,
             description="held-out solve rate not worse than live's beyond the margin",
+            partitions_def=rounds,
         )
     ],
     backfill_policy=BackfillPolicy.single_run(),

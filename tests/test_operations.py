@@ -43,7 +43,7 @@ def test_the_lab_instance_config_has_retries_the_trainer_pool_and_one_run_per_ro
 
     from dagster import DagsterInstance
 
-    shutil.copy("dagster.yaml", tmp_path / "dagster.yaml")
+    shutil.copy("instance.yaml", tmp_path / "dagster.yaml")
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
     with DagsterInstance.get() as instance:
         assert instance.run_retries_enabled and instance.run_retries_max_retries == 1

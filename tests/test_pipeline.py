@@ -294,6 +294,10 @@ def test_asset_checks_pass_on_a_real_round_and_fail_on_crafted_bad_input(tmp_pat
             "mismatch_monitor",
         }
         assert all(e.passed for e in evaluations), [e.check_name for e in evaluations if not e.passed]
+        assert {e.check_name: e.partition for e in evaluations} == {  # each check names the round it judged
+            name: round_key(1)
+            for name in ("token_integrity", "advantage_sanity", "mismatch_monitor", "deploy_gate")
+        }
 
         # token integrity: a positive log-prob stored for round 1 fails it, through Dagster (the
         # trajectories asset keeps stored rows, and its check re-reads them)

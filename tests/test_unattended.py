@@ -93,7 +93,7 @@ def run_unattended(
     t0 = time.monotonic()
     home = tmp / "dagster_home"
     home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    shutil.copy(REPO / "instance.yaml", home / "dagster.yaml")
     env = {
         **os.environ,
         "DAGSTER_HOME": str(home),

@@ -1,0 +1,159 @@
+"""Runs submitted to the instance as the UI submits them, launched by the daemon, followed to the end.
+
+`make demo` uses this so that its runs are the instance's own: they pass through the run queue
+(its per-round limit and retries), appear in the UI's timeline, the job's runs and each asset's
+history, and the progress shown is read back from the run's event log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster._core.definitions.selector import JobSubsetSelector
+from dagster._core.workspace.context import WorkspaceProcessContext, WorkspaceRequestContext
+from dagster._core.workspace.load_target import WorkspaceFileTarget
+
+FINISHED = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
+RETRY_WAIT_S = 60
+"""How long a failed run's automatic retry (instance `run_retries`) is waited for."""
+
+
+@contextmanager
+def daemon(workspace: str, log: Path) -> Iterator[subprocess.Popen]:
+    """`dagster-daemon run` for the block (it dequeues submitted runs and launches them), its
+    output in `log`; stopped as Ctrl-C stops it, and killed if it does not stop in 30 s."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", workspace],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextmanager
+def workspace(instance: DagsterInstance, path: str) -> Iterator[WorkspaceRequestContext]:
+    """The code locations of `workspace.yaml`, loaded once (as `dagster job launch` loads them)."""
+    target = WorkspaceFileTarget(paths=[path])
+    with WorkspaceProcessContext(instance, target, code_server_log_level="WARNING") as process:
+        context = process.create_request_context()
+        for error in context.code_location_errors():
+            raise RuntimeError(f"the code location failed to load: {error.to_string()}")
+        yield context
+
+
+def submit(
+    instance: DagsterInstance,
+    context: WorkspaceRequestContext,
+    job: str,
+    tags: Mapping[str, str] | None = None,
+    run_config: Mapping | None = None,
+) -> str:
+    """Create a run of `job` (tags `{"dagster/partition": key}` select a round) and submit it to
+    the instance's run coordinator, as the UI's Launch button does; returns its run id."""
+    location = context.get_code_location(context.code_location_names[0])
+    (repository,) = location.get_repositories().values()
+    remote_job = location.get_job(
+        JobSubsetSelector(
+            location_name=location.name, repository_name=repository.name, job_name=job, op_selection=None
+        )
+    )
+    plan = location.get_execution_plan(
+        remote_job, dict(run_config or {}), step_keys_to_execute=None, known_state=None, instance=instance
+    ).execution_plan_snapshot
+    run = instance.create_run(
+        job_name=job,
+        run_id=None,
+        run_config=dict(run_config or {}),
+        resolved_op_selection=None,
+        step_keys_to_execute=plan.step_keys_to_execute,
+        op_selection=None,
+        status=None,
+        root_run_id=None,
+        parent_run_id=None,
+        tags=dict(tags or {}),
+        job_snapshot=remote_job.job_snapshot,
+        execution_plan_snapshot=plan,
+        parent_job_snapshot=remote_job.parent_job_snapshot,
+        remote_job_origin=remote_job.get_remote_origin(),
+        job_code_origin=remote_job.get_python_origin(),
+        asset_selection=None,
+        asset_check_selection=None,
+        asset_graph=repository.asset_graph,
+    )
+    return instance.submit_run(run.run_id, context).run_id
+
+
+def follow(
+    instance: DagsterInstance,
+    run_id: str,
+    show: Callable[[str], None],
+    alive: Callable[[], bool],
+    poll_s: float = 0.5,
+) -> str:
+    """Wait for run `run_id` to finish, showing its status changes, its steps and the assets'
+    log messages as they land in the event log; a failed run is followed into its automatic
+    retry when the instance starts one. Returns the id of the run that finished last.
+    `alive()` false (the daemon exited) ends the wait with an error."""
+    cursor, status, retry_deadline = None, None, None
+    while True:
+        run = instance.get_run_by_id(run_id)  # before the events: none is missed at its end
+        page = instance.get_records_for_run(run_id, cursor=cursor)
+        cursor = page.cursor
+        for record in page.records:
+            line = _line(record.event_log_entry)
+            if line:
+                show(line)
+        if run.status != status:
+            status = run.status
+            show(f"run {run_id[:8]} {status.value.lower()}")
+        if status in FINISHED and not page.has_more:
+            if status != DagsterRunStatus.FAILURE:
+                return run_id
+            retries = instance.get_runs(RunsFilter(tags={"dagster/parent_run_id": run_id}), limit=1)
+            if retries:
+                show(f"run {run_id[:8]} failed; following its retry {retries[0].run_id[:8]}")
+                run_id, cursor, status, retry_deadline = retries[0].run_id, None, None, None
+                continue
+            retry_deadline = retry_deadline or time.monotonic() + RETRY_WAIT_S
+            if time.monotonic() > retry_deadline:
+                return run_id
+        if not alive():
+            raise RuntimeError("the Dagster daemon exited; its log says why")
+        time.sleep(poll_s)  # polling the instance's run storage, as the UI does
+
+
+def _line(entry) -> str | None:
+    """One progress line for an event: step starts and ends, failures, the assets' own messages."""
+    step = entry.step_key or ""
+    event = entry.dagster_event
+    if event is None:
+        return f"  {step}: {entry.user_message}" if entry.user_message else None
+    if event.event_type == DagsterEventType.STEP_START:
+        return f"  {step}: started"
+    if event.event_type == DagsterEventType.STEP_SUCCESS:
+        return f"  {step}: done in {event.event_specific_data.duration_ms / 1000:.1f} s"
+    if event.event_type in (DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE):
+        return f"  {step or 'run'}: FAILED {entry.message or ''}".rstrip()
+    if event.event_type == DagsterEventType.ASSET_CHECK_EVALUATION:
+        check = event.event_specific_data
+        return f"  {step}: check {check.check_name} {'passed' if check.passed else 'FAILED'}"
+    return None
