@@ -10,5 +10,8 @@ import warnings
 
 from dagster import BetaWarning, PreviewWarning
 
-warnings.filterwarnings("ignore", message="Parameter `backfill_policy` of function `asset`", category=BetaWarning)
-warnings.filterwarnings("ignore", message="Specifying a partitions_def on an AssetCheckSpec", category=PreviewWarning)
+for message, category in (
+    ("Parameter `backfill_policy` of function `asset`", BetaWarning),
+    ("Specifying a partitions_def on an AssetCheckSpec", PreviewWarning),
+):
+    warnings.filterwarnings("ignore", message=message, category=category)

@@ -43,9 +43,8 @@ def main() -> None:
             t = time.perf_counter()
             print(f"== {label}: {job} submitted", flush=True)
             run_id = submit(instance, context, job, tags)
-            last = follow(
-                instance, run_id, lambda line: print(f"[{label}] {line}", flush=True), lambda: proc.poll() is None
-            )
+            show = lambda line: print(f"[{label}] {line}", flush=True)  # noqa: E731
+            last = follow(instance, run_id, show, lambda: proc.poll() is None)
             if instance.get_run_by_id(last).status != DagsterRunStatus.SUCCESS:
                 raise SystemExit(f"{label} failed: run {last} (`make ui`, Runs, shows its logs)")
             print(f"== {label} took {time.perf_counter() - t:.1f} s", flush=True)
