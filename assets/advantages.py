@@ -4,6 +4,7 @@ import math
 
 from dagster import AssetExecutionContext, BackfillPolicy, Failure, MaterializeResult, asset
 
+from assets import metadata
 from assets.partitions import each_round, round_number, rounds
 from assets.trajectories import trajectories
 from prodrl_pipeline.records.queries import compute_advantages
@@ -57,6 +58,7 @@ def _advantages_round(
             "reward_mean": _mean(rows.column("reward").to_pylist()),
             "advantage_std": math.sqrt(_mean([(a - _mean(adv)) ** 2 for a in adv])),
             "trajectories_version_read": version,
+            **metadata.lineage(tables),
         }
     )
 

@@ -173,7 +173,7 @@ def _checkpoint_round(
         metadata={
             "checkpoint_id": ckpt_id,
             "parent_id": parent["checkpoint_id"],
-            "path": path,
+            "path": metadata.location(path),
             "global_step": rows[-1]["step"],
             **extra,
             "estimator": est.type,
@@ -185,6 +185,7 @@ def _checkpoint_round(
             "kl": mean("kl"),
             "dropped_trajectories": sum(r["dropped_trajectories"] for r in rows),
             "tokens": cfg.tokens,
+            **metadata.lineage(tables),
             **({"retokenization": retokenized} if retokenized else {}),
             "steps": metadata.table(rows, STEP_COLUMNS),
             "mismatch_plot": metadata.plot(

@@ -13,6 +13,7 @@ from dagster import (
     asset,
 )
 
+from assets import metadata
 from assets.checkpoint import checkpoint
 from assets.evaluation import evaluate_deployment
 from assets.partitions import each_round, round_number, rounds
@@ -156,7 +157,7 @@ def _deployment_round(
         metadata={
             "deployment_id": dep_id,
             "checkpoint_id": ckpt["checkpoint_id"],
-            "path": path,
+            "path": metadata.location(path),
             "quant_format": lab.quant_format,
             "previous_live": live["deployment_id"],
             "moved_live": moved,
@@ -164,6 +165,7 @@ def _deployment_round(
             "heldout_solve_rate": solve_rate(candidate),
             "export_bytes": export_bytes,
             "weight_rel_error": rel_error,
+            **metadata.lineage(tables),
         },
         check_results=[
             AssetCheckResult(

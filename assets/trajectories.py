@@ -19,6 +19,7 @@ from dagster import (
     asset,
 )
 
+from assets import metadata
 from assets.base_model import base_model
 from assets.partitions import each_round, round_number, rounds
 from prodrl_pipeline.artifacts import Artifacts
@@ -69,7 +70,9 @@ def _trajectories_round(
     stored = tables.read("trajectories", k)
     if stored.num_rows and not config.recollect:
         context.log.info(f"round {k}: {stored.num_rows} stored trajectories are kept (recollect=False)")
-        return MaterializeResult(metadata=_summary(stored.to_pylist(), tables, reused=True))
+        return MaterializeResult(
+            metadata={**_summary(stored.to_pylist(), tables, reused=True), **metadata.lineage(tables)}
+        )
     registered = {d["deployment_id"]: d for d in tables.read("deployments").to_pylist()}
     try:
         source = traffic_deployment(
@@ -115,6 +118,7 @@ def _trajectories_round(
             "prefix_continuity": extending / later if later else float("nan"),
             "prefix_breaks": later - extending,
             **pinned,
+            **metadata.lineage(tables),
         }
     )
 

@@ -1,14 +1,15 @@
 -- One row per round of an experiment: mean reward of the traffic it trained on, held-out solve
 -- rate of the deployment it produced (round 0 = the base deployment), overall and for mate-in-1
 -- and mate-in-2 puzzles, and the mean per-step
--- engine mismatch |log pi_k - log mu| and staleness |log pi - log pi_k| of its training.
+-- engine mismatch |log pi_k - log mu|, staleness |log pi - log pi_k|, KL(pi || pi_k) estimate and
+-- clip fraction of its training.
 WITH train AS (
     SELECT round, avg(reward) AS train_reward, count(*) AS trajectories
     FROM trajectories
     GROUP BY round
 ), steps AS (
     SELECT round, avg(engine_mismatch) AS engine_mismatch, avg(staleness) AS staleness,
-           max(step) AS last_step
+           avg(kl) AS kl, avg(clip_fraction) AS clip_fraction, max(step) AS last_step
     FROM train_steps
     WHERE experiment = '{experiment}'
     GROUP BY round
@@ -22,7 +23,8 @@ WITH train AS (
     GROUP BY round
 )
 SELECT heldout.round, train.trajectories, train.train_reward, heldout.heldout_solve_rate,
-       heldout.mate_in_1, heldout.mate_in_2, heldout.heldout_puzzles, steps.engine_mismatch, steps.staleness, steps.last_step
+       heldout.mate_in_1, heldout.mate_in_2, heldout.heldout_puzzles, steps.engine_mismatch, steps.staleness,
+       steps.kl, steps.clip_fraction, steps.last_step
 FROM heldout
 LEFT JOIN train ON train.round = heldout.round
 LEFT JOIN steps ON steps.round = heldout.round

@@ -8,6 +8,7 @@ QueryBuilder): the one SQL engine of the project.
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 from prodrl_pipeline.records.schema import TABLES
 
 SAFE_ID = re.compile(r"[A-Za-z0-9_.:-]+")  # ids that may appear inside a SQL predicate
+HISTORY_SEARCH = 100  # commits searched, newest first, for one's own (concurrent writers may follow it)
 PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "policy_logprobs", "eval_results"}
 
 
@@ -37,7 +39,11 @@ class DeltaStore:
     """The project's tables under `root` (a folder or an object-store URI such as s3://bucket/tables,
     reached with `storage_options`: endpoint, credentials, region); `commit_metadata` is attached to
     every commit (e.g. the Dagster run id), visible in each table's `history()`. On S3, commits are
-    conditional writes: concurrent writers need no lock service."""
+    conditional writes: concurrent writers need no lock service.
+
+    Lineage: `versions_read` and `versions_written` hold, per table, every version this store object
+    read (`read`, `query`) and committed (found by the commit's own id in the table's history, so
+    another writer's commit in between is never taken for it)."""
 
     def __init__(
         self,
@@ -48,6 +54,8 @@ class DeltaStore:
         self.root = str(root).rstrip("/")
         self.commit_metadata = dict(commit_metadata or {})
         self.storage_options = dict(storage_options or {}) or None
+        self.versions_read: dict[str, set[int]] = {}
+        self.versions_written: dict[str, set[int]] = {}
 
     def uri(self, table: str) -> str:
         if table not in TABLES:
@@ -87,9 +95,26 @@ class DeltaStore:
         self, extra: Mapping[str, str] | None, transaction: tuple[str, int] | None = None
     ) -> CommitProperties:
         txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
+        commit_id = {"commit_id": uuid.uuid4().hex}  # finds the commit's version afterwards
         return CommitProperties(
-            custom_metadata={**self.commit_metadata, **(extra or {})}, app_transactions=txns
+            custom_metadata={**self.commit_metadata, **(extra or {}), **commit_id}, app_transactions=txns
         )
+
+    def _wrote(self, table: str, commit: CommitProperties, dt: DeltaTable | None = None) -> None:
+        """Record the version of `commit` (a concurrent writer may have committed after it)."""
+        commit_id = commit.custom_metadata["commit_id"]
+        entries = (dt or self.table(table)).history(limit=HISTORY_SEARCH)
+        version = next((e["version"] for e in entries if e.get("commit_id") == commit_id), None)
+        if version is None:
+            raise RuntimeError(
+                f"commit {commit_id} is not among the last {HISTORY_SEARCH} of table {table!r}"
+            )
+        self.versions_written.setdefault(table, set()).add(version)
+
+    def _read(self, table: str, version: int | None) -> DeltaTable:
+        dt = self.table(table, version)
+        self.versions_read.setdefault(table, set()).add(dt.version())
+        return dt
 
     def _conform(self, table: str, rows: pa.Table | Sequence[dict]) -> pa.Table:
         schema = TABLES[table]
@@ -136,6 +161,7 @@ class DeltaStore:
                 f"writing {data.num_rows} rows to table {table!r} failed: {_one_line(e)}; the table stays "
                 f"at its last committed version ({self._last_version(table)})"
             ) from e
+        self._wrote(table, kwargs["commit_properties"])
 
     def _last_version(self, table: str) -> str:
         """The table's version for an error message; the storage may be what failed."""
@@ -184,7 +210,7 @@ class DeltaStore:
         if not self.exists(table):
             return TABLES[table].empty_table()
         where = f" WHERE round = {int(round_)}" if round_ is not None else ""
-        qb = QueryBuilder().register("t", self.table(table, version))
+        qb = QueryBuilder().register("t", self._read(table, version))
         with self._reading(table):  # the log's per-file stats are parsed only now
             data = pa.table(qb.execute(f"SELECT * FROM t{where}").read_all())
         schema = TABLES[table]
@@ -198,7 +224,7 @@ class DeltaStore:
         pinned version in `versions` if it has one, else the latest)."""
         qb = QueryBuilder()
         for name in tables:
-            qb.register(name, self.table(name, (versions or {}).get(name)))
+            qb.register(name, self._read(name, (versions or {}).get(name)))
         with self._reading(*tables):  # the log's per-file stats are parsed only now
             return pa.table(qb.execute(sql).read_all())
 
@@ -235,11 +261,10 @@ class DeltaStore:
                 raise KeyError(f"deployment {deployment_id!r} is not registered")
             if not allowed(self._live_of(rows)):
                 return False
+            commit = self._commit({"live": deployment_id})
             try:
-                dt.update(
-                    updates={"live": f"deployment_id = '{deployment_id}'"},
-                    commit_properties=self._commit({"live": deployment_id}),
-                )
+                dt.update(updates={"live": f"deployment_id = '{deployment_id}'"}, commit_properties=commit)
+                self._wrote("deployments", commit, dt)
                 return True
             except CommitFailedError:  # another writer committed since the read
                 continue
