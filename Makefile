@@ -20,19 +20,23 @@ $(DAGSTER_HOME)/dagster.yaml: instance.yaml
 	mkdir -p $(DAGSTER_HOME)
 	cp instance.yaml $@
 
+ROUNDS ?= 3
 demo: install $(DAGSTER_HOME)/dagster.yaml  ## build the base model and run 3 rounds through Dagster
-	$(BIN)/python -m assets.demo --rounds 3
+	$(BIN)/python -m assets.demo --rounds $(ROUNDS)
 
 study: install $(DAGSTER_HOME)/dagster.yaml  ## the lab study (docs/results.md): configurations x 3 seeds, resumable, then its report
 	$(BIN)/python -m assets.study run
 	$(BIN)/python -m assets.study report
 
-# Services the tests start on loopback: PostgreSQL (Dagster storage). Installed from Debian's
-# packages when missing (as root); the tests find its binaries under /usr/lib/postgresql.
+# What the tests start on loopback: PostgreSQL (Dagster storage) and Chromium with its driver (the
+# UI test). Installed from Debian's packages when missing (as root); the tests find PostgreSQL's
+# binaries under /usr/lib/postgresql, and /usr/bin/chromium, /usr/bin/chromedriver.
+SYSTEM_PACKAGES := postgresql chromium chromium-driver
 system-packages:
-	@ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends postgresql; \
-	  else echo "PostgreSQL is missing: install Debian's postgresql package (as root)"; exit 1; fi; }
+	@{ ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null; } \
+	  && test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); \
+	  else echo "Missing system packages: install Debian's $(SYSTEM_PACKAGES) (as root)"; exit 1; fi; }
 
 test: install system-packages  ## the test suite (slow experiments excluded)
 	$(BIN)/pytest -q -m "not slow"
