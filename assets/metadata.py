@@ -49,8 +49,9 @@ SPARK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c")
 
 
 def sparkline(x: Sequence[float], series: dict[str, Sequence[float]], title: str) -> MetadataValue:
-    """Up to three curves on one 0-1 axis as an SVG small enough to be drawn in place (the points are
-    thinned to the last rounds until it fits); the title names the series and their last values."""
+    """Up to three curves, on one axis from 0 to their largest value, as an SVG small enough to be
+    drawn in place (thinned to the last rounds until it fits), each named in its own color; the
+    alt text names the series and their last values."""
     last = ", ".join(f"{name} {_last(ys)}" for name, ys in series.items())
     for keep in (len(x), 40, 20, 10):
         md = _spark_md(list(x)[-keep:], {n: list(ys)[-keep:] for n, ys in series.items()}, f"{title}: {last}")
@@ -59,21 +60,27 @@ def sparkline(x: Sequence[float], series: dict[str, Sequence[float]], title: str
     return MetadataValue.md(f"{title}: {last}")
 
 
+def _finite(ys: Sequence[float | None]) -> list[float]:
+    return [y for y in ys if y is not None and math.isfinite(y)]
+
+
 def _last(ys: Sequence[float]) -> str:
-    finite = [y for y in ys if y is not None and math.isfinite(y)]
+    finite = _finite(ys)
     return f"{finite[-1]:.3f}" if finite else "-"
 
 
 def _spark_md(x: list[float], series: dict[str, list[float]], alt: str) -> str:
-    w, h = 200, 50
+    w, h, top = 240, 60, 14  # the curves below a line of labels
     span = (max(x) - min(x)) or 1
-    lines = []
-    for color, ys in zip(SPARK_COLORS, series.values(), strict=False):
+    high = max((y for ys in series.values() for y in _finite(ys)), default=0) or 1
+    parts = [f"<text x='0' y='10' font-size='9'>max {high:.3g}</text>"]
+    for i, (color, (name, ys)) in enumerate(zip(SPARK_COLORS, series.items(), strict=False)):
         points = " ".join(
-            f"{(xi - min(x)) / span * w:.0f},{h - min(max(y, 0), 1) * h:.0f}"
+            f"{(xi - min(x)) / span * w:.0f},{top + (1 - max(y, 0) / high) * (h - top - 1):.0f}"
             for xi, y in zip(x, ys, strict=True)
             if y is not None and math.isfinite(y)
         )
-        lines.append(f"<polyline points='{points}' fill='none' stroke='{color}'/>")
-    svg = f"<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}'>{''.join(lines)}</svg>"
+        parts.append(f"<text x='{56 + 100 * i}' y='10' font-size='9' fill='{color}'>{name}</text>")
+        parts.append(f"<polyline points='{points}' fill='none' stroke='{color}' stroke-width='2'/>")
+    svg = f"<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}'>{''.join(parts)}</svg>"
     return f"![{alt}](data:image/svg+xml;base64,{base64.b64encode(svg.encode()).decode()})"
