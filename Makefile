@@ -59,8 +59,9 @@ UI_PORT ?= 3000
 ui: install $(DAGSTER_HOME)/dagster.yaml  ## Dagster UI + daemon on http://127.0.0.1:3000 over the demo's instance
 	PYTHONWARNINGS='ignore:Function `dev_command` is superseded' $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(UI_PORT)
 
+SERVE_PORT ?= 8000
 serve: install  ## the capture gateway on http://127.0.0.1:8000, following the live deployment (run `make demo` first)
-	$(BIN)/python -m resources.serve --port 8000
+	$(BIN)/python -m resources.serve --port $(SERVE_PORT)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -4,15 +4,18 @@ rows; and `make ui`, driven in headless Chromium, shows the asset graph, a round
 its curves drawn in place, the Plots tab, the runs of `round_job` and the timeline, starting
 without a warning. Screenshots land in $PRODRL_SCREENSHOTS when set (else the test's folder)."""
 
+import json
 import os
 import re
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import yaml
 from dagster import (
@@ -23,6 +26,7 @@ from dagster import (
     DagsterRunStatus,
     RunsFilter,
 )
+from dagster._core.scheduler.instigation import InstigatorStatus
 
 from assets.eval_report import PLOTTED
 from prodrl_pipeline.gateway.process import free_port
@@ -31,6 +35,7 @@ from tests.test_pipeline import TINY
 
 REPO = Path(__file__).resolve().parent.parent
 ROUNDS = 2
+OPERATIONS = REPO / "docs" / "operations.md"
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 
 
@@ -131,6 +136,14 @@ def test_a_rounds_metadata_leads_to_its_exact_rows(demo):
         return scope
 
     rows = run_query()
+    # the walk in docs/operations.md, run as written on the round's rows
+    walk = re.search(
+        r"<!-- tests/test_ui.py runs this block[^>]*-->\n```python\n(.*?)```", OPERATIONS.read_text(), re.S
+    )
+    exec(walk.group(1), rows)  # noqa: S102
+    assert rows["turns"].height > 0 and set(rows["turns"]["trajectory_id"]) <= set(
+        rows["trajectories"]["trajectory_id"]
+    )
     assert rows["calls"].height == demo.store.read("calls", ROUNDS).num_rows > 0
     assert rows["trajectories"].height == demo.store.read("trajectories", ROUNDS).num_rows
     assert rows["steps"].height == TINY["steps"] and set(rows["steps"]["round"]) == {ROUNDS}
@@ -263,3 +276,99 @@ def test_the_ui_in_a_browser_shows_graph_report_plots_and_runs(demo, ui, tmp_pat
         "timeline",
     }
     assert {p.stem for p in shots.glob("*.png")} >= names
+
+
+def _block(doc: Path, first: str) -> str:
+    """The fenced block of `doc` whose first line starts with `first`, continuation lines joined."""
+    blocks = re.findall(r"```\w*\n(.*?)```", doc.read_text(), re.S)
+    (block,) = [b for b in blocks if b.lstrip().startswith(first)]
+    return block
+
+
+@contextmanager
+def _started(command: list[str], env: dict[str, str], log: Path):
+    """A make target in its own session, stopped (SIGINT, then SIGKILL) when the block ends."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_make_serve_with_the_documented_simulator_client_and_feedback_curl(demo, tmp_path):
+    """docs/operations.md's two terminals and docs/gateway.md's client and `curl`, as written but
+    for the port (8000 may be taken here)."""
+    port = free_port()
+    serve_line, simulate_line = _block(OPERATIONS, "PRODRL_API_KEYS=").replace("\\\n", "").splitlines()[:2]
+    keys = dict(kv.split("=", 1) for kv in serve_line.split()[:2])
+    serve = ["bash", "-c", f"{serve_line.split('#')[0].strip()} SERVE_PORT={port}"]
+    with _started(serve, demo.env, tmp_path / "serve.log") as proc:
+        deadline = time.monotonic() + 120
+        while True:  # readiness probe: the gateway answers its health check once the model is loaded
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
+        simulate = simulate_line.replace("http://127.0.0.1:8000", f"http://127.0.0.1:{port}")
+        played = subprocess.run(
+            ["bash", "-c", simulate], cwd=REPO, env=demo.env, capture_output=True, text=True, timeout=300
+        )
+        assert played.returncode == 0, played.stdout[-2000:] + played.stderr[-2000:]
+        assert "64 episodes" in played.stdout
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=keys["PRODRL_API_KEYS"])
+        reply = client.chat.completions.create(  # the documented client call, with a real message
+            model="live",
+            messages=[{"role": "user", "content": "Your move."}],
+            max_tokens=4,
+            extra_headers={"X-Prodrl-Trajectory-Id": "session-123"},
+        )
+        assert reply.model_extra["prodrl"]["trajectory_id"] == "session-123"
+        curl = _block(REPO / "docs" / "gateway.md", "curl").replace(
+            "http://127.0.0.1:8000", f"http://127.0.0.1:{port}"
+        )
+        answer = subprocess.run(
+            ["bash", "-c", curl],
+            env={**os.environ, "FEEDBACK_KEY": keys["PRODRL_FEEDBACK_KEYS"]},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert answer.returncode == 0, answer.stderr
+        assert json.loads(answer.stdout)["trajectory_id"] == "session-123", answer.stdout
+
+
+def test_the_documented_replay_and_sensor_commands(demo):
+    """docs/operations.md's ranged re-materialization and the sensor's start, on the demo's
+    instance: the replayed rounds reproduce their rows, and the sensor is on."""
+    before = {t: demo.store.read(t).sort_by("trajectory_id") for t in ("trajectories", "advantages")}
+    replay = _block(OPERATIONS, "export DAGSTER_HOME").replace("\\\n", "").splitlines()[1]
+    env = {**demo.env, "PYTHONPATH": str(REPO)}  # the block's `export` line, for this instance
+    done = subprocess.run(
+        ["bash", "-c", replay], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {t: demo.store.read(t).sort_by("trajectory_id") for t in before} == before
+    sensor = re.search(r"`(dagster sensor start [^`]+)`", OPERATIONS.read_text()).group(1)
+    done = subprocess.run(
+        [str(REPO / ".venv/bin/dagster"), *sensor.split()[1:]],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    with DagsterInstance.from_config(str(demo.home)) as instance:
+        states = {s.name: s.status for s in instance.all_instigator_state()}
+    assert states["round_sensor"] == InstigatorStatus.RUNNING
