@@ -116,14 +116,17 @@ def follow(
     cursor, status, retry_deadline = None, None, None
     while True:
         run = instance.get_run_by_id(run_id)  # before the events: none is missed at its end
+        changed = run.status != status
+        status = run.status
+        if changed and status not in FINISHED:  # a start before the steps, an end after them
+            show(f"run {run_id[:8]} {status.value.lower()}")
         page = instance.get_records_for_run(run_id, cursor=cursor)
         cursor = page.cursor
         for record in page.records:
             line = _line(record.event_log_entry)
             if line:
                 show(line)
-        if run.status != status:
-            status = run.status
+        if changed and status in FINISHED:
             show(f"run {run_id[:8]} {status.value.lower()}")
         if status in FINISHED and not page.has_more:
             if status != DagsterRunStatus.FAILURE:
