@@ -56,7 +56,7 @@ def _eval_report_round(
     )
     pinned = {t: tables.table(t).version() for t in QUERY_TABLES}  # the query reads what the report read
     summary = round_summary(tables, lab.experiment)
-    this = next(r for r in summary if r["round"] == k)
+    this = next((r for r in summary if r["round"] == k), {})  # none without its held-out rows
     comparison = {}
     if lab.counterfactual:  # side by side with the original run on the same recorded traffic
         original = {r["round"]: r for r in round_summary(tables, lab.compare_to)}
@@ -90,7 +90,7 @@ def _eval_report_round(
             "heldout_solve_rate": rate,
             "heldout_puzzles": len(results),
             **{f"solve_rate_{theme}": rate for theme, rate in solve_rates_by_theme(results).items()},
-            **{name: _float(this[name]) for name in PLOTTED},
+            **{name: _float(this.get(name)) for name in PLOTTED},
             "deployment_id": dep["deployment_id"],
             "deployment": metadata.location(dep["path"]),
             "checkpoint": metadata.location(

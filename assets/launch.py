@@ -7,29 +7,63 @@ history, and the progress shown is read back from the run's event log.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
 from dagster._core.definitions.selector import JobSubsetSelector
+from dagster._core.storage.tags import AUTO_RETRY_RUN_ID_TAG, WILL_RETRY_TAG
 from dagster._core.workspace.context import WorkspaceProcessContext, WorkspaceRequestContext
 from dagster._core.workspace.load_target import WorkspaceFileTarget
 
 FINISHED = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
 RETRY_WAIT_S = 60
-"""How long a failed run's automatic retry (instance `run_retries`) is waited for."""
+"""How long a failed run's decision to retry (instance `run_retries`) is waited for."""
+STALL_S = 600
+"""A run with no new event for this long is reported (its process may have died)."""
+IN_FLIGHT = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+    DagsterRunStatus.CANCELING,
+]
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the process that started it dies, however
+    it dies, so a killed demo leaves no daemon behind."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGINT to the process group (as Ctrl-C), SIGKILL after `grace_s` or on a second Ctrl-C."""
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=grace_s)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @contextmanager
 def daemon(workspace: str, log: Path) -> Iterator[subprocess.Popen]:
     """`dagster-daemon run` for the block (it dequeues submitted runs and launches them), its
-    output in `log`; stopped as Ctrl-C stops it, and killed if it does not stop in 30 s."""
+    output in `log`; stopped at the block's end, and terminated by the kernel if this process dies
+    first."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         proc = subprocess.Popen(
@@ -37,16 +71,23 @@ def daemon(workspace: str, log: Path) -> Iterator[subprocess.Popen]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
         )
     try:
         yield proc
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc, grace_s=30)
+
+
+def in_flight(instance: DagsterInstance) -> list:
+    """Runs of the instance that are queued or running."""
+    return instance.get_runs(RunsFilter(statuses=IN_FLIGHT))
+
+
+def cancel(instance: DagsterInstance, run_id: str) -> None:
+    """Cancel a run as the UI's Terminate does (a queued run is dequeued; a running one is asked to
+    stop, and ends CANCELED, which is not retried)."""
+    instance.run_coordinator.cancel_run(run_id)
 
 
 @contextmanager
@@ -110,10 +151,11 @@ def follow(
     poll_s: float = 0.5,
 ) -> str:
     """Wait for run `run_id` to finish, showing its status changes, its steps and the assets'
-    log messages as they land in the event log; a failed run is followed into its automatic
-    retry when the instance starts one. Returns the id of the run that finished last.
-    `alive()` false (the daemon exited) ends the wait with an error."""
-    cursor, status, retry_deadline = None, None, None
+    log messages as they land in the event log (and a wait for the trainer pool); a failed run is
+    followed into its automatic retry when the instance decides on one (`dagster/will_retry`,
+    `dagster/auto_retry_run_id`). Returns the id of the run that finished last. `alive()` false
+    (the daemon exited) ends the wait with an error; a run with no news for `STALL_S` is reported."""
+    cursor, status, retry_deadline, quiet_since = None, None, None, time.monotonic()
     while True:
         run = instance.get_run_by_id(run_id)  # before the events: none is missed at its end
         changed = run.status != status
@@ -128,16 +170,24 @@ def follow(
                 show(line)
         if changed and status in FINISHED:
             show(f"run {run_id[:8]} {status.value.lower()}")
+        if changed or page.records:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since > STALL_S:
+            show(
+                f"run {run_id[:8]} is {status.value.lower()} with no news for {STALL_S // 60} min: if its "
+                "process died, terminate it (make ui: Runs, the run, Terminate); still waiting"
+            )
+            quiet_since = time.monotonic()
         if status in FINISHED and not page.has_more:
             if status != DagsterRunStatus.FAILURE:
                 return run_id
-            retries = instance.get_runs(RunsFilter(tags={"dagster/parent_run_id": run_id}), limit=1)
-            if retries:
-                show(f"run {run_id[:8]} failed; following its retry {retries[0].run_id[:8]}")
-                run_id, cursor, status, retry_deadline = retries[0].run_id, None, None, None
+            retry = run.tags.get(AUTO_RETRY_RUN_ID_TAG)
+            if retry:
+                show(f"run {run_id[:8]} failed; following its automatic retry {retry[:8]}")
+                run_id, cursor, status, retry_deadline = retry, None, None, None
                 continue
             retry_deadline = retry_deadline or time.monotonic() + RETRY_WAIT_S
-            if time.monotonic() > retry_deadline:
+            if run.tags.get(WILL_RETRY_TAG) == "false" or time.monotonic() > retry_deadline:
                 return run_id
         if not alive():
             raise RuntimeError("the Dagster daemon exited; its log says why")
@@ -156,6 +206,10 @@ def _line(entry) -> str | None:
         return f"  {step}: done in {event.event_specific_data.duration_ms / 1000:.1f} s"
     if event.event_type in (DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE):
         return f"  {step or 'run'}: FAILED {entry.message or ''}".rstrip()
+    if event.event_type == DagsterEventType.ENGINE_EVENT and re.search(
+        r"concurrency|slot|pool", entry.message or "", re.I
+    ):
+        return f"  {step or 'run'}: {entry.message}"  # waiting for the trainer pool, say
     if event.event_type == DagsterEventType.ASSET_CHECK_EVALUATION:
         check = event.event_specific_data
         return f"  {step}: check {check.check_name} {'passed' if check.passed else 'FAILED'}"

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from collections.abc import Sequence
+from html import escape
 
 from dagster import MetadataValue
 
@@ -53,6 +55,8 @@ def sparkline(x: Sequence[float], series: dict[str, Sequence[float]], title: str
     drawn in place (thinned to the last rounds until it fits), each named in its own color; the
     alt text names the series and their last values."""
     last = ", ".join(f"{name} {_last(ys)}" for name, ys in series.items())
+    if not x:
+        return MetadataValue.md(f"{title}: {last}")
     for keep in (len(x), 40, 20, 10):
         md = _spark_md(list(x)[-keep:], {n: list(ys)[-keep:] for n, ys in series.items()}, f"{title}: {last}")
         if len(md) < INLINE_LIMIT:
@@ -80,7 +84,8 @@ def _spark_md(x: list[float], series: dict[str, list[float]], alt: str) -> str:
             for xi, y in zip(x, ys, strict=True)
             if y is not None and math.isfinite(y)
         )
-        parts.append(f"<text x='{56 + 100 * i}' y='10' font-size='9' fill='{color}'>{name}</text>")
+        parts.append(f"<text x='{56 + 100 * i}' y='10' font-size='9' fill='{color}'>{escape(name)}</text>")
         parts.append(f"<polyline points='{points}' fill='none' stroke='{color}' stroke-width='2'/>")
     svg = f"<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}'>{''.join(parts)}</svg>"
+    alt = re.sub(r"[\[\]\n]", " ", alt)  # plain text inside the markdown image's brackets
     return f"![{alt}](data:image/svg+xml;base64,{base64.b64encode(svg.encode()).decode()})"

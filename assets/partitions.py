@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -9,7 +10,13 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import UTC, datetime
 
-from dagster import DynamicPartitionsDefinition, Failure, MaterializeResult
+from dagster import (
+    DynamicPartitionsDefinition,
+    Failure,
+    MarkdownMetadataValue,
+    MaterializeResult,
+    MetadataValue,
+)
 
 from prodrl_pipeline.locks import Busy
 
@@ -55,18 +62,37 @@ def each_round(context, store, experiment: str, one: Callable[[str], Materialize
                     "here; re-run it once that run has ended (what is stored is kept, a re-run reuses it)"
                 ) from None
             results.append(one(key))
-    return merged(results)
+    return merged(ordered_keys(context), results)
 
 
-def merged(results: list) -> MaterializeResult:
-    """One MaterializeResult for a run over several rounds: the last round's metadata, plus the
-    rounds covered; asset checks pass only if they passed for every round."""
-    last = results[-1]
+def merged(keys: list[str], results: list[MaterializeResult]) -> MaterializeResult:
+    """One MaterializeResult for a run over one or several rounds; asset checks pass only if they
+    passed for every round. Dagster stamps a ranged run's one result on each of its partitions, so
+    its metadata holds no round's own value at the top level: `per_round` maps each round to its
+    numbers, text, locations and Delta versions (plots and tables are left out), and the Plots tab
+    keeps the values single-round runs recorded."""
     checks = {}
     for r in results:
         for c in r.check_results or []:
             prev = checks.get(c.check_name)
             if prev is None or (prev.passed and not c.passed):
                 checks[c.check_name] = c
-    meta = {**(last.metadata or {}), **({"rounds_in_run": len(results)} if len(results) > 1 else {})}
+    if len(results) == 1:
+        meta = results[0].metadata or {}
+    else:
+        per_round = {key: _plain(r.metadata or {}) for key, r in zip(keys, results, strict=True)}
+        meta = {"rounds_in_run": len(results), "per_round": MetadataValue.json(per_round)}
     return MaterializeResult(metadata=meta, check_results=list(checks.values()) or None)
+
+
+def _plain(metadata: dict) -> dict:
+    """A round's metadata as JSON values (NaN as null); markdown (plots, tables, queries) is left out."""
+    out = {}
+    for name, value in metadata.items():
+        if isinstance(value, MarkdownMetadataValue):
+            continue
+        raw = value.value if isinstance(value, MetadataValue) else value
+        if isinstance(raw, float) and math.isnan(raw):
+            raw = None
+        out[name] = raw if isinstance(raw, (bool, int, float, str, dict, list)) or raw is None else str(raw)
+    return out

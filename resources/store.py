@@ -30,7 +30,7 @@ class StoreResource(ConfigurableResource):
     def tables(self, run_id: str | None = None, partition: str | None = None) -> DeltaStore:
         meta = {k: v for k, v in (("dagster_run_id", run_id), ("partition", partition)) if v}
         root = self.tables_uri or f"{self.root}/tables"
-        return DeltaStore(root, commit_metadata=meta, storage_options=self.storage_options)
+        return DeltaStore(root, commit_metadata=meta, storage_options=self.storage_options, lineage=True)
 
     def artifacts(self) -> Artifacts:
         return Artifacts(self.artifacts_uri or self.root, self.storage_options, Path(self.root, "cache"))

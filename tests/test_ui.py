@@ -10,7 +10,7 @@ import re
 import signal
 import subprocess
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,16 +58,22 @@ def demo(tmp_path_factory) -> Demo:
     )
     home = tmp / "dagster_home"
     env = {**os.environ, "DAGSTER_HOME": str(home), "PRODRL_SETTINGS": str(settings)}
-    done = subprocess.run(
+    demo = subprocess.Popen(  # its own session: a timeout kills the demo and its daemon with it
         ["make", "-s", "demo", f"ROUNDS={ROUNDS}"],
         cwd=REPO,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=900,
+        start_new_session=True,
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    return Demo(home, env, DeltaStore(tmp / "store" / "tables"), done.stdout)
+    try:
+        out, err = demo.communicate(timeout=900)
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(demo.pid, signal.SIGKILL)
+    assert demo.returncode == 0, out[-4000:] + err[-4000:]
+    return Demo(home, env, DeltaStore(tmp / "store" / "tables"), out)
 
 
 def _materializations(instance: DagsterInstance, asset: str) -> dict:
@@ -163,9 +169,14 @@ def _browser_missing() -> str | None:
     except ImportError:
         return "selenium is not installed"
     missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
-    return (
-        f"no browser: {', '.join(missing)} missing (Debian's chromium, chromium-driver)" if missing else None
-    )
+    if missing:
+        return f"no browser: {', '.join(missing)} missing (Debian's chromium, chromium-driver)"
+    try:  # a shim that only points at another installer (Ubuntu's snap) does not run here
+        version = [str(CHROMIUM), "--headless", "--version"]
+        subprocess.run(version, capture_output=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{CHROMIUM} does not run: {e}"
+    return None
 
 
 @pytest.fixture
@@ -193,24 +204,22 @@ def ui(demo, tmp_path):
                 pass
             assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
-        yield url, log
+        yield url, log.read_text()  # what it printed while starting
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
 
 
-@pytest.mark.skipif(_browser_missing() is not None, reason=str(_browser_missing()))
+BROWSER_MISSING = _browser_missing()
+
+
+@pytest.mark.skipif(BROWSER_MISSING is not None, reason=str(BROWSER_MISSING))
 def test_the_ui_in_a_browser_shows_graph_report_plots_and_runs(demo, ui, tmp_path):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    url, log = ui
+    url, started = ui
     shots = Path(os.environ.get("PRODRL_SCREENSHOTS") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
     options = webdriver.ChromeOptions()
@@ -265,7 +274,6 @@ def test_the_ui_in_a_browser_shows_graph_report_plots_and_runs(demo, ui, tmp_pat
         page("/overview/activity/timeline", text("round_job", "base_job"), "timeline.png")
     finally:
         browser.quit()
-    started = log.read_text()
     assert not re.search(r"warn", started, re.I), started  # a quiet start: nothing to act on
     names = {
         "asset_graph",
@@ -295,12 +303,19 @@ def _started(command: list[str], env: dict[str, str], log: Path):
     try:
         yield proc
     finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT to the process group, SIGKILL if it has not ended in 60 s."""
+    with suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait()
 
 
 def test_make_serve_with_the_documented_simulator_client_and_feedback_curl(demo, tmp_path):
@@ -351,7 +366,9 @@ def test_make_serve_with_the_documented_simulator_client_and_feedback_curl(demo,
 
 def test_the_documented_replay_and_sensor_commands(demo):
     """docs/operations.md's ranged re-materialization and the sensor's start, on the demo's
-    instance: the replayed rounds reproduce their rows, and the sensor is on."""
+    instance: the replayed rounds reproduce their rows, each round's metadata stays its own, and
+    the sensor turns on. Last in the module: it re-materializes rounds the tests above read, and
+    leaves the sensor on in an instance no daemon serves again."""
     before = {t: demo.store.read(t).sort_by("trajectory_id") for t in ("trajectories", "advantages")}
     replay = _block(OPERATIONS, "export DAGSTER_HOME").replace("\\\n", "").splitlines()[1]
     env = {**demo.env, "PYTHONPATH": str(REPO)}  # the block's `export` line, for this instance
@@ -360,14 +377,18 @@ def test_the_documented_replay_and_sensor_commands(demo):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert {t: demo.store.read(t).sort_by("trajectory_id") for t in before} == before
+    with DagsterInstance.from_config(str(demo.home)) as instance:
+        report = _materializations(instance, "eval_report")
+    for key in report:  # one result stamped on both rounds: each round's values are under its key
+        meta = report[key].asset_materialization.metadata
+        assert "query" not in meta and "heldout_solve_rate" not in meta
+        assert set(meta["per_round"].value) == set(report) and meta["rounds_in_run"].value == ROUNDS
+    per_round = meta["per_round"].value
+    assert len({per_round[k]["checkpoint"] for k in per_round}) == ROUNDS  # each round its own
+
     sensor = re.search(r"`(dagster sensor start [^`]+)`", OPERATIONS.read_text()).group(1)
-    done = subprocess.run(
-        [str(REPO / ".venv/bin/dagster"), *sensor.split()[1:]],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    dagster = [str(REPO / ".venv/bin/dagster"), *sensor.split()[1:]]
+    done = subprocess.run(dagster, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     with DagsterInstance.from_config(str(demo.home)) as instance:
         states = {s.name: s.status for s in instance.all_instigator_state()}

@@ -8,7 +8,6 @@ QueryBuilder): the one SQL engine of the project.
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +19,6 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 from prodrl_pipeline.records.schema import TABLES
 
 SAFE_ID = re.compile(r"[A-Za-z0-9_.:-]+")  # ids that may appear inside a SQL predicate
-HISTORY_SEARCH = 100  # commits searched, newest first, for one's own (concurrent writers may follow it)
 PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "policy_logprobs", "eval_results"}
 
 
@@ -41,19 +39,21 @@ class DeltaStore:
     every commit (e.g. the Dagster run id), visible in each table's `history()`. On S3, commits are
     conditional writes: concurrent writers need no lock service.
 
-    Lineage: `versions_read` and `versions_written` hold, per table, every version this store object
-    read (`read`, `query`) and committed (found by the commit's own id in the table's history, so
-    another writer's commit in between is never taken for it)."""
+    With `lineage`, `versions_read` and `versions_written` hold, per table, every version this store
+    object read (`read`, `query`) and committed (the version its own commit got, after any rebase
+    over another writer's). Off by default: a long-lived writer (the gateway) would grow them."""
 
     def __init__(
         self,
         root: str | Path,
         commit_metadata: Mapping[str, str] | None = None,
         storage_options: Mapping[str, str] | None = None,
+        lineage: bool = False,
     ):
         self.root = str(root).rstrip("/")
         self.commit_metadata = dict(commit_metadata or {})
         self.storage_options = dict(storage_options or {}) or None
+        self.lineage = lineage
         self.versions_read: dict[str, set[int]] = {}
         self.versions_written: dict[str, set[int]] = {}
 
@@ -95,25 +95,17 @@ class DeltaStore:
         self, extra: Mapping[str, str] | None, transaction: tuple[str, int] | None = None
     ) -> CommitProperties:
         txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
-        commit_id = {"commit_id": uuid.uuid4().hex}  # finds the commit's version afterwards
         return CommitProperties(
-            custom_metadata={**self.commit_metadata, **(extra or {}), **commit_id}, app_transactions=txns
+            custom_metadata={**self.commit_metadata, **(extra or {})}, app_transactions=txns
         )
 
-    def _wrote(self, table: str, commit: CommitProperties, dt: DeltaTable | None = None) -> None:
-        """Record the version of `commit` (a concurrent writer may have committed after it)."""
-        commit_id = commit.custom_metadata["commit_id"]
-        entries = (dt or self.table(table)).history(limit=HISTORY_SEARCH)
-        version = next((e["version"] for e in entries if e.get("commit_id") == commit_id), None)
-        if version is None:
-            raise RuntimeError(
-                f"commit {commit_id} is not among the last {HISTORY_SEARCH} of table {table!r}"
-            )
-        self.versions_written.setdefault(table, set()).add(version)
+    def _seen(self, versions: dict[str, set[int]], table: str, version: int) -> None:
+        if self.lineage:
+            versions.setdefault(table, set()).add(version)
 
     def _read(self, table: str, version: int | None) -> DeltaTable:
         dt = self.table(table, version)
-        self.versions_read.setdefault(table, set()).add(dt.version())
+        self._seen(self.versions_read, table, dt.version())
         return dt
 
     def _conform(self, table: str, rows: pa.Table | Sequence[dict]) -> pa.Table:
@@ -126,14 +118,9 @@ class DeltaStore:
         """Replace the rows matching `predicate` (e.g. "round = 3") by `rows`; returns the count."""
         data = self._conform(table, rows)
         partition_by = ["round"] if table in PARTITIONED else None
+        commit = self._commit({"predicate": predicate})
         if not self.exists(table):
-            self._write(
-                table,
-                data,
-                mode="overwrite",
-                partition_by=partition_by,
-                commit_properties=self._commit({"predicate": predicate}),
-            )
+            self._write(table, data, mode="overwrite", partition_by=partition_by, commit_properties=commit)
         else:
             self._write(
                 table,
@@ -142,17 +129,23 @@ class DeltaStore:
                 predicate=predicate,
                 partition_by=partition_by,
                 schema_mode="merge",  # a column added in a newer prodrl is added to the table
-                commit_properties=self._commit({"predicate": predicate}),
+                commit_properties=commit,
             )
         return data.num_rows
 
     def _write(self, table: str, data: pa.Table, **kwargs: object) -> None:
-        """write_deltalake; a failure other than a lost commit race (disk full, read-only storage,
-        a lost connection) is reported as a StorageError naming the table, which stays readable
-        at its last committed version (a Delta commit is atomic)."""
+        """write_deltalake through the table's latest snapshot (its uri when the write creates it),
+        so the version the commit got, rebased over other writers', is known; a failure other than a
+        lost commit race (disk full, read-only storage, a lost connection) is reported as a
+        StorageError naming the table, which stays readable at its last committed version (a Delta
+        commit is atomic)."""
         try:
-            write_deltalake(self.uri(table), data, storage_options=self.storage_options, **kwargs)
-        except CommitFailedError:
+            target = self.table(table) if self.exists(table) else None
+            if target is None:
+                write_deltalake(self.uri(table), data, storage_options=self.storage_options, **kwargs)
+            else:
+                write_deltalake(target, data, **kwargs)
+        except (CommitFailedError, StorageError):  # a lost race; or the snapshot's read named the table
             raise
         except (DeltaError, OSError) as e:
             if "Json error" in str(e):  # its log is corrupt: the read says so, naming the table
@@ -161,7 +154,7 @@ class DeltaStore:
                 f"writing {data.num_rows} rows to table {table!r} failed: {_one_line(e)}; the table stays "
                 f"at its last committed version ({self._last_version(table)})"
             ) from e
-        self._wrote(table, kwargs["commit_properties"])
+        self._seen(self.versions_written, table, 0 if target is None else target.version())
 
     def _last_version(self, table: str) -> str:
         """The table's version for an error message; the storage may be what failed."""
@@ -261,10 +254,12 @@ class DeltaStore:
                 raise KeyError(f"deployment {deployment_id!r} is not registered")
             if not allowed(self._live_of(rows)):
                 return False
-            commit = self._commit({"live": deployment_id})
             try:
-                dt.update(updates={"live": f"deployment_id = '{deployment_id}'"}, commit_properties=commit)
-                self._wrote("deployments", commit, dt)
+                dt.update(
+                    updates={"live": f"deployment_id = '{deployment_id}'"},
+                    commit_properties=self._commit({"live": deployment_id}),
+                )
+                self._seen(self.versions_written, "deployments", dt.version())
                 return True
             except CommitFailedError:  # another writer committed since the read
                 continue
