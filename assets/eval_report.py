@@ -23,6 +23,8 @@ SUMMARY_COLUMNS = [
     "staleness",
     "last_step",
 ]
+RUN_LEVEL = frozenset({"curves", "rounds", "vs_original", "reward_curve", "mismatch_sawtooth"})
+"""What describes the whole run up to the report's round: kept at the top of a ranged run's result."""
 PLOTTED = ["train_reward", "engine_mismatch", "staleness", "kl", "clip_fraction"]
 """The round's numbers besides its solve rate, recorded as floats: the asset's Plots tab draws each
 across the round partitions."""
@@ -40,9 +42,8 @@ def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabRe
     training numbers (floats, plotted across rounds by the UI), the run's curves so far (in place,
     and as full plots), the per-round table, and the way back to the round's rows: its checkpoint
     and deployment locations, and a query that opens its calls, trajectories and steps."""
-    return each_round(
-        context, store, lab.experiment, lambda key: _eval_report_round(context, key, store, lab)
-    )
+    one = lambda key: _eval_report_round(context, key, store, lab)  # noqa: E731
+    return each_round(context, store, lab.experiment, one, RUN_LEVEL)
 
 
 def _eval_report_round(

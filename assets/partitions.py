@@ -42,7 +42,13 @@ def ordered_keys(context) -> list[str]:
     return sorted(context.partition_keys, key=round_number)
 
 
-def each_round(context, store, experiment: str, one: Callable[[str], MaterializeResult]) -> MaterializeResult:
+def each_round(
+    context,
+    store,
+    experiment: str,
+    one: Callable[[str], MaterializeResult],
+    run_level: frozenset[str] = frozenset(),
+) -> MaterializeResult:
     """`one(key)` for each of the run's rounds in order, each holding the lock of the experiment's
     round for the call (`StoreResource.round_lock`), merged into one result. A round another run of
     the experiment is writing fails the step at once, before that round is written, with a message
@@ -62,14 +68,15 @@ def each_round(context, store, experiment: str, one: Callable[[str], Materialize
                     "here; re-run it once that run has ended (what is stored is kept, a re-run reuses it)"
                 ) from None
             results.append(one(key))
-    return merged(ordered_keys(context), results)
+    return merged(ordered_keys(context), results, run_level)
 
 
-def merged(keys: list[str], results: list[MaterializeResult]) -> MaterializeResult:
+def merged(keys: list[str], results: list[MaterializeResult], run_level: frozenset[str]) -> MaterializeResult:
     """One MaterializeResult for a run over one or several rounds; asset checks pass only if they
     passed for every round. Dagster stamps a ranged run's one result on each of its partitions, so
     its metadata holds no round's own value at the top level: `per_round` maps each round to its
-    numbers, text, locations and Delta versions (plots and tables are left out), and the Plots tab
+    numbers, text, locations and Delta versions (its plots and tables are left out), beside the
+    `run_level` entries (the run so far: its table and curves) as of the last round. The Plots tab
     keeps the values single-round runs recorded."""
     checks = {}
     for r in results:
@@ -80,8 +87,16 @@ def merged(keys: list[str], results: list[MaterializeResult]) -> MaterializeResu
     if len(results) == 1:
         meta = results[0].metadata or {}
     else:
-        per_round = {key: _plain(r.metadata or {}) for key, r in zip(keys, results, strict=True)}
-        meta = {"rounds_in_run": len(results), "per_round": MetadataValue.json(per_round)}
+        last = results[-1].metadata or {}
+        per_round = {
+            key: _plain({k: v for k, v in (r.metadata or {}).items() if k not in run_level})
+            for key, r in zip(keys, results, strict=True)
+        }
+        meta = {
+            **{k: v for k, v in last.items() if k in run_level},  # the run so far, as of its last round
+            "rounds_in_run": len(results),
+            "per_round": MetadataValue.json(per_round),
+        }
     return MaterializeResult(metadata=meta, check_results=list(checks.values()) or None)
 
 
