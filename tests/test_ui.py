@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -393,3 +394,13 @@ def test_the_documented_replay_and_sensor_commands(demo):
     with DagsterInstance.from_config(str(demo.home)) as instance:
         states = {s.name: s.status for s in instance.all_instigator_state()}
     assert states["round_sensor"] == InstigatorStatus.RUNNING
+    # the demo will not run rounds beside the sensor (which would add the next round too)
+    refused = subprocess.run(
+        [sys.executable, "-m", "assets.demo", "--rounds", "1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode != 0 and "round_sensor is on" in refused.stderr, refused.stderr[-2000:]
