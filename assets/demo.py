@@ -51,7 +51,7 @@ def main() -> None:
                 try:
                     last = follow(instance, run_id, show, lambda: proc.poll() is None)
                 except (KeyboardInterrupt, SystemExit):
-                    show(f"interrupted: run {run_id[:8]} is canceled (the next demo runs its round again)")
+                    show(f"interrupted: canceling run {run_id[:8]} (the next demo runs its round again)")
                     with suppress(Exception):  # best effort: the daemon is stopped next either way
                         cancel(instance, run_id)
                     raise
