@@ -73,6 +73,7 @@ format: install
 
 bench: install  ## benchmarks that print ratios measured side by side (not tests)
 	$(BIN)/python -m bench.engine
+	$(BIN)/python -m bench.delta_io
 	$(BIN)/python -m bench.estimators
 	$(BIN)/python -m bench.logprob_memory
 	$(BIN)/python -m bench.gateway

@@ -1,0 +1,96 @@
+"""A round's Delta writes and reads against raw parquet of the same Arrow table, side by side.
+
+A round of lab calls with every recorded column: the calls of B trajectories played by the lab
+model, repeated under fresh ids up to `--rows` rows (a lab round is S·B = 1,024 trajectories of a
+few calls each). Written as round 1 of the `calls` table (`DeltaStore.overwrite_round`: a predicate
+overwrite and its commit) from Arrow and from Python dicts, and as one parquet file
+(`pyarrow.parquet.write_table`); read back as the round (`DeltaStore.read`, through DataFusion) and
+as the file (`pyarrow.parquet.read_table`). Each repeat times each in turn; a ratio is parquet's
+time ÷ Delta's (Delta's speed relative to parquet), median and range over the repeats. Issue 15's
+goal is >= 0.8. Run: `make bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.engine.sampler import TorchEngine
+from prodrl_pipeline.envs.chat import load_tokenizer
+from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
+from prodrl_pipeline.envs.rollout import play
+from prodrl_pipeline.model import TinyQwen3Config, build_model
+from prodrl_pipeline.records.schema import TABLES
+from prodrl_pipeline.records.store import DeltaStore
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _round_of_calls(batch: int, rows: int) -> list[dict]:
+    torch.manual_seed(0)
+    tok = load_tokenizer("data/tokenizer")
+    model = build_model(TinyQwen3Config(), len(tok), tok.pad_token_id)
+    puzzles = list(iter_lab_puzzles("data", "train"))[:batch]
+    engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id)
+    played = play(engine, tok, puzzles, SamplingParams(), deployment_id="d", round_=1, seed=0).calls
+    return [
+        {**c, "call_id": f"{c['call_id']}-{i}", "trajectory_id": f"{c['trajectory_id']}-{i}"}
+        for i in range(-(-rows // len(played)))
+        for c in played
+    ][:rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=256, help="trajectories played")
+    parser.add_argument("--rows", type=int, default=3000, help="calls in the round")
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    calls = _round_of_calls(args.batch, args.rows)
+    table = pa.Table.from_pylist(calls, schema=TABLES["calls"])
+    names = ("delta write", "delta write (dicts)", "parquet write", "delta read", "parquet read")
+    times: dict[str, list[float]] = {k: [] for k in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        store, file = DeltaStore(Path(tmp) / "tables"), Path(tmp) / "calls.parquet"
+        store.overwrite_round("calls", table, 1)  # the table exists, as after a first round
+        pq.write_table(table, file)
+        for _ in range(args.repeats):
+            times["delta write"].append(_timed(lambda: store.overwrite_round("calls", table, 1)))
+            times["delta write (dicts)"].append(_timed(lambda: store.overwrite_round("calls", calls, 1)))
+            times["parquet write"].append(_timed(lambda: pq.write_table(table, file)))
+            times["delta read"].append(_timed(lambda: store.read("calls", 1)))
+            times["parquet read"].append(_timed(lambda: pq.read_table(file)))
+        assert store.read("calls", 1).num_rows == table.num_rows == pq.read_table(file).num_rows
+    print(
+        f"a round's calls: {table.num_rows} rows, {table.nbytes / 1e6:.1f} MB in Arrow; "
+        f"{args.repeats} repeats, each in turn (median time)"
+    )
+    for name, ts in times.items():
+        print(f"  {name:20s} {statistics.median(ts) * 1000:8.1f} ms")
+    for delta, parquet in (
+        ("delta write", "parquet write"),
+        ("delta write (dicts)", "parquet write"),
+        ("delta read", "parquet read"),
+    ):
+        ratios = [p / d for p, d in zip(times[parquet], times[delta], strict=True)]
+        print(
+            f"  {delta} speed / {parquet} = {statistics.median(ratios):.2f} "
+            f"(range {min(ratios):.2f}-{max(ratios):.2f}); goal >= 0.8"
+        )
+
+
+if __name__ == "__main__":
+    main()
