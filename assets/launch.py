@@ -47,7 +47,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _stop(proc: subprocess.Popen, grace_s: float) -> None:
+def stop(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGINT to the process group (as Ctrl-C), SIGKILL after `grace_s` or on a second Ctrl-C."""
     with suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGINT)
@@ -76,7 +76,7 @@ def daemon(workspace: str, log: Path) -> Iterator[subprocess.Popen]:
     try:
         yield proc
     finally:
-        _stop(proc, grace_s=30)
+        stop(proc, grace_s=30)
 
 
 def in_flight(instance: DagsterInstance) -> list:

@@ -30,6 +30,7 @@ from dagster import (
 from dagster._core.scheduler.instigation import InstigatorStatus
 
 from assets.eval_report import PLOTTED
+from assets.launch import stop
 from prodrl_pipeline.gateway.process import free_port
 from prodrl_pipeline.records.store import DeltaStore
 from tests.test_pipeline import TINY
@@ -207,7 +208,7 @@ def ui(demo, tmp_path):
             time.sleep(0.5)
         yield url, log.read_text()  # what it printed while starting
     finally:
-        _stop(proc)
+        stop(proc, grace_s=60)
 
 
 BROWSER_MISSING = _browser_missing()
@@ -304,19 +305,7 @@ def _started(command: list[str], env: dict[str, str], log: Path):
     try:
         yield proc
     finally:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGINT to the process group, SIGKILL if it has not ended in 60 s."""
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop(proc, grace_s=60)
 
 
 def test_make_serve_with_the_documented_simulator_client_and_feedback_curl(demo, tmp_path):
