@@ -87,7 +87,10 @@ def processed_logprobs(
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
     greedy = temperature == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    if bool(((temperature == 1) | greedy).all()):  # dividing by 1 changes no bit: skip the pass
+        scaled = logits
+    else:
+        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     vocab = scaled.shape[-1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
     k = torch.where(greedy, torch.ones_like(k), k)

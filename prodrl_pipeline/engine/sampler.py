@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
 from prodrl_pipeline.engine.constraints import Constraint
+from prodrl_pipeline.engine.kv_cache import growing_cache, left_pad
 from prodrl_pipeline.engine.processing import SamplingParams, bias_matrix, processed_logprobs
 
 
@@ -106,7 +107,7 @@ class Decoder:
         self.temperature, self.top_p = torch.zeros(0), torch.zeros(0)  # per row
         self.top_k = torch.zeros(0, dtype=torch.long)
         self.bias: list[tuple[tuple[int, ...], tuple[float, ...]] | None] = []  # per row: (ids, biases)
-        self.cache: DynamicCache | None = None
+        self.cache: Cache | None = None
         self.mask = torch.zeros((0, 0), dtype=torch.long)  # [N, cache length]
         self.pending = torch.zeros((0, 0), dtype=torch.long)  # [N, w]: ids not yet in the cache
         self.fed = torch.zeros((0, 0), dtype=torch.long)  # [N, w]: 1 where a pending id is a real token
@@ -137,25 +138,22 @@ class Decoder:
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            cache=DynamicCache(),
+            cache=growing_cache(),
             use_cache=True,
             logits_to_keep=1,
         )
         self._join(new, result.cache, mask, result.logits[:, -1, :], requests, biases)
 
     def _join(
-        self, new: _Batch, cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor, requests, biases
+        self, new: _Batch, cache: Cache, mask: torch.Tensor, logits: torch.Tensor, requests, biases
     ) -> None:  # noqa: ANN001
         if self.cache is None or not len(self):
             self.cache, self.mask, self.logits = cache, mask, logits
         else:  # pad the shorter cache on the left, then stack the rows
             length = max(self.mask.shape[1], mask.shape[1])
-            self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(mask, length)])
+            self.mask = torch.cat([left_pad(self.mask, length), left_pad(mask, length)])
             for old, add in zip(self.cache.layers, cache.layers, strict=True):
-                old.keys = torch.cat([_left_pad(old.keys, length, dim=2), _left_pad(add.keys, length, dim=2)])
-                old.values = torch.cat(
-                    [_left_pad(old.values, length, dim=2), _left_pad(add.values, length, dim=2)]
-                )
+                old.stack_below(add, length)
             self.logits = torch.cat([self.logits, logits])
         self.rows.extend(new)
         self.own += [
@@ -203,7 +201,8 @@ class Decoder:
         )
         # the sampled token and M extra samples of the same mu, in one draw
         probs = logp.exp()
-        broken = torch.isnan(logp).any(-1) | ~torch.isfinite(logp).any(-1)  # e.g. an fp16 overflow
+        # a NaN anywhere or no finite entry (e.g. an fp16 overflow); amax propagates NaN, one pass
+        broken = ~(logp.amax(-1) > float("-inf"))
         for i in broken.nonzero().flatten().tolist():  # fails that request alone
             if not b.done[i]:
                 b.done[i], b.errors[i] = True, ValueError("the model's next-token distribution is not finite")
@@ -252,7 +251,7 @@ class Decoder:
         if start:  # columns no remaining row attends to: cut from the cache's left
             self.mask = self.mask[:, start:]
             for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+                layer.cut_left(start)
         return out
 
 
@@ -272,15 +271,6 @@ def _bias(params: SamplingParams, vocab_size: int) -> tuple[tuple[int, ...], tup
     if max(ids) >= vocab_size:
         raise ValueError(f"logit_bias names token {max(ids)}, outside the vocabulary of {vocab_size}")
     return ids, biases
-
-
-def _left_pad(x: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
-    short = length - x.shape[dim]
-    if short == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = short
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 class _Batch:
@@ -339,8 +329,8 @@ class _Batch:
         thread re-takes the GIL after every torch call."""
         k = min(self.top_logprobs, self.vocab_size)
         head_lp, head_ids = logp.topk(k, dim=-1)  # [N, K]
-        finite = torch.isfinite(logp)
-        kept = finite.sum(-1).tolist()
+        kept_mask = logp > float("-inf")  # the kept support (a broken row's NaNs are never recorded)
+        kept = kept_mask.sum(-1).tolist()
         toks = sampled.tolist()
         lps = logp.gather(1, sampled[:, None]).squeeze(1).tolist()
         heads, head_lps, extras = head_ids.tolist(), head_lp.tolist(), extra.tolist()
@@ -349,7 +339,7 @@ class _Batch:
                 continue
             n_head = min(k, size)
             stored = n_head < size < self.vocab_size
-            support = finite[i].nonzero().squeeze(1).tolist() if stored else []
+            support = kept_mask[i].nonzero().squeeze(1).tolist() if stored else []
             self.append(i, tok, lps[i], heads[i][:n_head], head_lps[i][:n_head], size, support, extras[i])
         return toks
 
