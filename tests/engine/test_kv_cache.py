@@ -8,7 +8,7 @@ from prodrl_pipeline.engine.kv_cache import GrowingLayer, growing_cache
 def _decode(model, cache, prompt: torch.Tensor, steps: int) -> tuple[list[torch.Tensor], list[int]]:
     """Greedy decoding one token per forward: each step's logits and the layer-0 buffer's address."""
     out = model(input_ids=prompt, cache=cache, use_cache=True)
-    logits, addresses = [out.logits[:, -1]], []
+    logits, addresses = [out.logits[:, -1]], [out.cache.layers[0].keys.data_ptr()]
     for _ in range(steps):
         ids = logits[-1].argmax(-1, keepdim=True)
         out = model(input_ids=ids, cache=out.cache, use_cache=True)
