@@ -1,22 +1,26 @@
-"""The embedded engine's decode speed against Hugging Face `generate`, measured side by side.
+"""The embedded engine's decode speed against Hugging Face `generate`, and the cost of recording.
 
 The same lab model (random weights from a fixed seed: speed does not depend on them), the same
 left-padded lab prompts, the same sampling (T = 1, no top-k / top-p, no constraint), the same
 token budget; the engine records what it always records (the K = 20 head). Each repeat times one
-run of each, alternating; the ratio is generated tokens per second, engine ÷ `generate`, median
-and range over the repeats. Issue 15's goal is >= 1.5. Run: `make bench`.
+run of each contender, in turn. Ratios (median and range over the repeats):
+- engine tokens/s ÷ `generate` tokens/s, goal >= 1.5;
+- engine tokens/s ÷ the same engine with recording stubbed out (only the sampled ids kept: no
+  log-prob, head, support or extra samples), goal >= 0.98.
+Run: `make bench` (or `.venv/bin/python -m bench.engine`).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from contextlib import contextmanager
 
 import torch
 
+from bench.ratios import Ratio, alternate, report
 from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import Request, TorchEngine
+from prodrl_pipeline.engine.sampler import Request, TorchEngine, _Batch
 from prodrl_pipeline.envs.chat import load_tokenizer, render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
@@ -27,6 +31,25 @@ def _engine_tokens(engine: TorchEngine, prompts: list[list[int]], new_tokens: in
     params = SamplingParams(max_tokens=new_tokens)
     done = engine.generate([Request(p, params) for p in prompts], seed=0)
     return sum(len(c.token_ids) for c in done)
+
+
+def _ids_only(batch: _Batch, logp, sampled, extra) -> list[int]:  # noqa: ANN001
+    """`_Batch.record_sampled` with the recording stubbed out: each live row keeps its id alone."""
+    toks = sampled.tolist()
+    for i, tok in enumerate(toks):
+        if not batch.done[i]:
+            batch.append(i, tok, 0.0, [], [], 0, [], [])
+    return toks
+
+
+@contextmanager
+def _unrecorded():
+    recorded = _Batch.record_sampled
+    _Batch.record_sampled = _ids_only
+    try:
+        yield
+    finally:
+        _Batch.record_sampled = recorded
 
 
 def _hf_tokens(model, prompts: list[list[int]], new_tokens: int, pad_id: int, eos_id: int) -> int:
@@ -49,40 +72,65 @@ def _hf_tokens(model, prompts: list[list[int]], new_tokens: int, pad_id: int, eo
     return int(((ended == 0) | ((ended == 1) & (out == eos_id))).sum())
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=9)
+    return parser
+
+
+SMOKE = ["--prompts", "4", "--new-tokens", "4", "--repeats", "1"]
+
+
+def measure(args: argparse.Namespace) -> list[Ratio]:
     torch.manual_seed(0)
     tok = load_tokenizer("data/tokenizer")
     model = build_model(TinyQwen3Config(), len(tok), tok.pad_token_id).eval()
     puzzles = list(iter_lab_puzzles("data", "heldout"))[: args.prompts]
     prompts = [render_ids(tok, ChessEpisode(p).messages) for p in puzzles]
     engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id)
-    rates: dict[str, list[float]] = {"engine": [], "generate": []}
+    tokens: dict[str, int] = {}
+
+    def run(name: str) -> None:
+        if name == "generate":
+            tokens[name] = _hf_tokens(model, prompts, args.new_tokens, tok.pad_token_id, tok.eos_token_id)
+        elif name == "unrecorded":
+            with _unrecorded():
+                tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
+        else:
+            tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
+
     with torch.inference_mode():
         _engine_tokens(engine, prompts[:4], 4)  # warm-up
         _hf_tokens(model, prompts[:4], 4, tok.pad_token_id, tok.eos_token_id)
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            n = _engine_tokens(engine, prompts, args.new_tokens)
-            rates["engine"].append(n / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            n = _hf_tokens(model, prompts, args.new_tokens, tok.pad_token_id, tok.eos_token_id)
-            rates["generate"].append(n / (time.perf_counter() - t0))
-    ratios = [e / g for e, g in zip(rates["engine"], rates["generate"], strict=True)]
-    print(
-        f"decode, lab model, {args.prompts} prompts x up to {args.new_tokens} new tokens, T=1, "
-        f"{args.repeats} alternating pairs"
+        per_run: dict[str, list[float]] = {"engine": [], "generate": [], "unrecorded": []}
+        for _ in range(args.repeats):  # tokens/s of each run (a contender's token count may vary)
+            times = alternate({name: lambda n=name: run(n) for name in per_run}, 1)
+            for name in per_run:
+                per_run[name].append(tokens[name] / times[name][0])
+    detail = (
+        f"lab model, {args.prompts} prompts x up to {args.new_tokens} new tokens, T=1, K=20 recorded, "
+        f"{args.repeats} repeats; tokens/s engine {statistics.median(per_run['engine']):.0f}, "
+        f"generate {statistics.median(per_run['generate']):.0f}"
     )
-    for name, rs in rates.items():
-        print(f"  {name:9s} {statistics.median(rs):8.0f} tokens/s (median)")
-    print(
-        f"  engine / generate = {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}); "
-        "goal >= 1.5"
-    )
+    return [
+        Ratio(
+            "engine decode tokens/s / transformers generate",
+            tuple(e / g for e, g in zip(per_run["engine"], per_run["generate"], strict=True)),
+            1.5,
+            detail=detail,
+        ),
+        Ratio(
+            "engine recording K=20 / recording stubbed out",
+            tuple(e / u for e, u in zip(per_run["engine"], per_run["unrecorded"], strict=True)),
+            0.98,
+        ),
+    ]
+
+
+def main() -> None:
+    report(measure(arguments().parse_args()))
 
 
 if __name__ == "__main__":

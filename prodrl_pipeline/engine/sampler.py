@@ -329,8 +329,11 @@ class _Batch:
         thread re-takes the GIL after every torch call."""
         k = min(self.top_logprobs, self.vocab_size)
         head_lp, head_ids = logp.topk(k, dim=-1)  # [N, K]
-        kept_mask = logp > float("-inf")  # the kept support (a broken row's NaNs are never recorded)
-        kept = kept_mask.sum(-1).tolist()
+        if bool(logp.amin() > float("-inf")):  # nothing removed anywhere (one cheap pass): all kept
+            kept_mask, kept = None, [self.vocab_size] * len(self.done)
+        else:  # the kept support (a broken row's NaNs are never recorded)
+            kept_mask = logp > float("-inf")
+            kept = kept_mask.sum(-1).tolist()
         toks = sampled.tolist()
         lps = logp.gather(1, sampled[:, None]).squeeze(1).tolist()
         heads, head_lps, extras = head_ids.tolist(), head_lp.tolist(), extra.tolist()

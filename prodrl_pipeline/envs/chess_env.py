@@ -36,15 +36,23 @@ def move_text(board: chess.Board, move: chess.Move) -> str:
     return board.san(move).replace("#", "+")
 
 
+def legal_moves_by_text(board: chess.Board) -> dict[str, chess.Move]:
+    """Every legal move under its text, sorted by text (SAN is the costly part of a turn: render
+    it once per position and share it between the prompt, the constraint and the step)."""
+    return dict(sorted((move_text(board, m), m) for m in board.legal_moves))
+
+
 def legal_move_texts(board: chess.Board) -> list[str]:
-    return sorted(move_text(board, m) for m in board.legal_moves)
+    return list(legal_moves_by_text(board))
 
 
-def render_board(board: chess.Board) -> str:
+def render_board(board: chess.Board, moves: list[str] | None = None) -> str:
     """Side to move, FEN and the legal moves (FEN rather than a drawn board: a third of the
-    tokens, and prompt length is what a CPU round pays for)."""
+    tokens, and prompt length is what a CPU round pays for). `moves`: the board's
+    `legal_move_texts`, when already rendered."""
     side = "White" if board.turn == chess.WHITE else "Black"
-    return f"{side} to move. FEN: {board.fen()}\nLegal moves: " + " ".join(legal_move_texts(board))
+    shown = legal_move_texts(board) if moves is None else moves
+    return f"{side} to move. FEN: {board.fen()}\nLegal moves: " + " ".join(shown)
 
 
 def tool_call_message(move: str, call_id: str = "call_0") -> dict:
@@ -82,6 +90,7 @@ class ChessEpisode:
     puzzle: Puzzle
     partial_credit: bool = False
     board: chess.Board = field(init=False)
+    """The position (changed by `step` alone: the legal moves are rendered once per position)."""
     messages: list[dict] = field(init=False)
     ply: int = 1  # index into puzzle.moves of the move the player must find next
     done: bool = False
@@ -90,14 +99,15 @@ class ChessEpisode:
 
     def __post_init__(self) -> None:
         self.board = self.puzzle.start_board()
+        self._legal = legal_moves_by_text(self.board)
         self.messages = [
             {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": render_board(self.board)},
+            {"role": "user", "content": render_board(self.board, self.allowed_moves())},
         ]
 
     def allowed_moves(self) -> list[str]:
         """The strings the structured-output constraint allows as the `move` argument."""
-        return legal_move_texts(self.board)
+        return list(self._legal)
 
     def step(self, assistant_message: dict) -> None:
         """Apply the model's answer and the opponent's reply; appends to `messages`."""
@@ -105,8 +115,7 @@ class ChessEpisode:
             raise RuntimeError("step() on a finished episode")
         self.messages.append(assistant_message)
         text = parse_move_call(assistant_message)
-        by_text = {move_text(self.board, m): m for m in self.board.legal_moves}
-        move = by_text.get(text) if text is not None else None
+        move = self._legal.get(text) if text is not None else None
         if move is None:
             return self._finish("Illegal or malformed move.", solved=False)
         expected = chess.Move.from_uci(self.puzzle.moves[self.ply])
@@ -124,7 +133,10 @@ class ChessEpisode:
         reply_text = self.board.san(reply)
         self.board.push(reply)
         self.ply += 2
-        self._tool(f"Correct. Opponent played {reply_text}.\n{render_board(self.board)}")
+        self._legal = legal_moves_by_text(self.board)
+        self._tool(
+            f"Correct. Opponent played {reply_text}.\n{render_board(self.board, self.allowed_moves())}"
+        )
 
     def _tool(self, content: str) -> None:
         self.messages.append({"role": "tool", "tool_call_id": "call_0", "content": content})

@@ -1,0 +1,87 @@
+"""Ratios measured side by side in one run: the record every benchmark of `make bench` returns,
+how it times its contenders (alternating, so slow drift of a noisy machine hits both), and the
+table and JSON `python -m bench` writes.
+
+A ratio's samples are one per repeat (each repeat times every contender once, in turn); the table
+shows their median and range, the goal and whether the median meets it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Ratio:
+    name: str
+    """What is divided by what, e.g. "engine decode tokens/s / transformers generate"."""
+    samples: tuple[float, ...]
+    goal: float
+    at_least: bool = True
+    """True: the goal is a floor (>=); False: a ceiling (<=)."""
+    detail: str = ""
+    """The set-up in a few words (sizes, repeats)."""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def passed(self) -> bool:
+        return self.median >= self.goal if self.at_least else self.median <= self.goal
+
+    def as_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "samples": list(self.samples),
+            "median": self.median,
+            "low": min(self.samples),
+            "high": max(self.samples),
+            "passed": self.passed,
+        }
+
+
+def alternate(contenders: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each contender per repeat; each repeat runs every contender once, in turn."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def speedup(times: dict[str, list[float]], subject: str, baseline: str) -> tuple[float, ...]:
+    """Per repeat: the subject's speed relative to the baseline's (baseline time / subject time)."""
+    return tuple(b / s for s, b in zip(times[subject], times[baseline], strict=True))
+
+
+def table(ratios: Sequence[Ratio]) -> str:
+    width = max(len(r.name) for r in ratios)
+    lines = [f"{'ratio':{width}s}  median  range        goal     result"]
+    for r in ratios:
+        goal = f"{'>=' if r.at_least else '<='} {r.goal:g}"
+        lines.append(
+            f"{r.name:{width}s}  {r.median:6.2f}  {min(r.samples):.2f}-{max(r.samples):<6.2f}  "
+            f"{goal:7s}  {'pass' if r.passed else 'FAIL'}"
+        )
+    return "\n".join(lines)
+
+
+def report(ratios: Sequence[Ratio], json_path: str | Path | None = None) -> None:
+    """Print each ratio's set-up, then the table; write them as JSON if `json_path` is given."""
+    for r in ratios:
+        if r.detail:
+            print(f"- {r.name}: {r.detail}")
+    print(table(ratios))
+    if json_path:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([r.as_dict() for r in ratios], indent=2) + "\n")
+        print(f"written to {path}")
