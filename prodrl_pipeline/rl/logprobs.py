@@ -185,35 +185,40 @@ def _chunk_logprobs(
     logits = h @ weight.T
     if bias is not None:
         logits = logits + bias
-    logp = (logits / temperature[:, None]).log_softmax(-1)  # [c, V]
-    full = logp.gather(1, token_ids[:, None]).squeeze(1)  # [c]
+    if not bool((temperature == 1).all()):  # dividing by 1 changes no bit: skip the pass
+        logits = logits / temperature[:, None]
+    # log pi_S: one log-softmax over the support (pi renormalized over S is the softmax of S's logits)
+    kept = (logits if keep is None else logits.masked_fill(~keep, float("-inf"))).log_softmax(-1)
+    # one gather for the token, the head and the extra samples: one [c, V] scatter in the backward
+    picked = kept.gather(1, torch.cat([token_ids[:, None], head_ids, extra_ids], 1))
+    lp, head, extra = picked[:, 0], picked[:, 1 : 1 + head_ids.shape[1]], picked[:, 1 + head_ids.shape[1] :]
     if keep is None:
-        kept, lp = logp, full
+        full = lp
     else:
-        kept = logp.masked_fill(~keep, float("-inf"))
-        kept = kept - kept.logsumexp(-1, keepdim=True)  # log pi_S: renormalized over the support
-        lp = kept.gather(1, token_ids[:, None]).squeeze(1)
-    # scatter_add, not scatter: padded head entries share id 0 with a real entry of token 0
-    in_head = kept.new_zeros(kept.shape).scatter_add(1, head_ids, head_mask.to(kept.dtype)) > 0  # [c, V]
-    outside = kept.masked_fill(in_head, float("-inf"))  # [c, V]: log pi_S on S minus H
-    has_tail = torch.isfinite(outside).any(-1)  # [c]
-    # rows without a tail get a finite dummy row, so logsumexp's backward stays finite (nan * 0 = nan)
-    tail = outside.masked_fill(~has_tail[:, None], 0.0).logsumexp(-1)
+        with torch.no_grad():
+            full = logits.gather(1, token_ids[:, None]).squeeze(1) - logits.logsumexp(-1)  # [c]
+    # a padded head entry (id 0) names the row's first entry instead: token 0 stays outside H
+    named = torch.where(head_mask, head_ids, head_ids[:, :1])
+    outside = kept.scatter(1, named, float("-inf"))  # [c, V]: log pi_S on S minus H
+    has_tail = outside.amax(-1) > float("-inf")  # [c]
+    if not bool(has_tail.all()):
+        # rows without a tail get a finite dummy row, so logsumexp's backward stays finite (nan * 0 = nan)
+        outside = outside.masked_fill(~has_tail[:, None], 0.0)
+    tail = outside.logsumexp(-1)
     tail = torch.where(has_tail, tail, torch.full_like(tail, float("-inf")))
     with torch.no_grad():
-        p = kept.exp()
-        entropy = -(p * kept.masked_fill(p == 0, 0.0)).sum(-1)
+        entropy = -(kept.exp() * kept).nansum(-1)  # 0 * -inf = nan outside S: dropped
         complement = kept.scatter(1, token_ids[:, None], float("-inf")).logsumexp(-1)
-    return lp, kept.gather(1, head_ids), tail, kept.gather(1, extra_ids), complement, full, entropy
+    return lp, head, tail, extra, complement, full, entropy
 
 
 def _support_mask(support: list[list[int] | None], vocab: int, device: torch.device) -> torch.Tensor | None:
     """[c, V] True on each token's kept support, None when every support is the vocabulary."""
     if all(s is None for s in support):
         return None
+    restricted = [i for i, s in enumerate(support) if s is not None]
     keep = torch.ones((len(support), vocab), dtype=torch.bool)
-    for i, s in enumerate(support):
-        if s is not None:
-            keep[i] = False
-            keep[i, s] = True
+    keep[restricted] = False
+    rows = torch.tensor([i for i in restricted for _ in support[i]], dtype=torch.long)
+    keep[rows, torch.tensor([t for i in restricted for t in support[i]], dtype=torch.long)] = True
     return keep.to(device)

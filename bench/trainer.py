@@ -1,0 +1,110 @@
+"""A trainer step against a lean bare step on the same tokens, measured side by side.
+
+B recorded lab trajectories (lab model, K = 20 head) make one minibatch. The trainer step is
+`train_round` for one step with the round's pi_k already computed (the default estimator, score
+centering over the head: what a lab round runs). The lean step is the least a step must do: from
+tensors already packed, forward, project only the completion positions to the vocabulary,
+cross-entropy of the sampled ids, backward, Adam: the same microbatches, the same model size.
+Each repeat times both, in turn, each on its own copy of the model. Ratio: lean step time ÷
+trainer step time (the trainer's speed relative to the lean step), goal >= 0.90. Also shown: the
+round's pi_k pass relative to a lean step.
+Run: `make bench` (or `.venv/bin/python -m bench.trainer`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from bench.ratios import Ratio, alternate, report
+from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.engine.sampler import TorchEngine
+from prodrl_pipeline.envs.chat import load_tokenizer
+from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
+from prodrl_pipeline.envs.rollout import play
+from prodrl_pipeline.model import TinyQwen3Config, build_model
+from prodrl_pipeline.rl.logprobs import Sequences, build_sequences
+from prodrl_pipeline.rl.trainer import (
+    TrainerConfig,
+    _microbatches,
+    make_optimizer,
+    policy_logprobs,
+    train_round,
+)
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=64, help="trajectories in the minibatch")
+    parser.add_argument("--repeats", type=int, default=7)
+    return parser
+
+
+SMOKE = ["--batch", "4", "--repeats", "1"]
+
+
+def lean_step(model, optimizer: torch.optim.Optimizer, micros: list[Sequences]) -> None:  # noqa: ANN001
+    """Forward, completion positions only through the output layer, cross-entropy, backward, Adam."""
+    optimizer.zero_grad(set_to_none=True)
+    n = sum(s.token_ids.numel() for s in micros)
+    for s in micros:
+        hidden = model.model(input_ids=s.input_ids, attention_mask=s.attention_mask).last_hidden_state
+        logits = model.lm_head(hidden[s.token_row, s.token_pos])
+        (F.cross_entropy(logits, s.token_ids, reduction="sum") / n).backward()
+    optimizer.step()
+
+
+def measure(args: argparse.Namespace) -> list[Ratio]:
+    torch.manual_seed(0)
+    tok = load_tokenizer("data/tokenizer")
+    model = build_model(TinyQwen3Config(), len(tok), tok.pad_token_id)
+    puzzles = list(iter_lab_puzzles("data", "train"))[: args.batch]
+    engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id)
+    calls = play(engine, tok, puzzles, SamplingParams(), deployment_id="d", round_=1, seed=0).calls
+    trajectories = list(dict.fromkeys(c["trajectory_id"] for c in calls))
+    advantages = [
+        {"trajectory_id": t, "minibatch": 0, "reward": 0.0, "advantage": float(i % 3 - 1)}
+        for i, t in enumerate(trajectories)
+    ]
+    cfg = TrainerConfig(steps=1, batch_size=args.batch, warmup_steps=0)
+    trained, lean = model, copy.deepcopy(model)
+    trainer_opt, lean_opt = make_optimizer(trained, cfg, None), make_optimizer(lean, cfg, None)
+    micros = [build_sequences(mb, tok.pad_token_id) for mb in _microbatches(calls, cfg.microbatch_calls)]
+    round_start = policy_logprobs(trained, calls, cfg, tok.pad_token_id, fake_quant=False)
+    times = alternate(
+        {
+            "trainer": lambda: train_round(
+                trained, trainer_opt, calls, advantages, cfg, tok.pad_token_id, round_start=round_start
+            ),
+            "lean": lambda: lean_step(lean, lean_opt, micros),
+            "pi_k": lambda: policy_logprobs(trained, calls, cfg, tok.pad_token_id, fake_quant=False),
+        },
+        args.repeats,
+    )
+    n_tokens = sum(len(c["completion_token_ids"]) for c in calls)
+    lean_s = statistics.median(times["lean"])
+    return [
+        Ratio(
+            "lean step / trainer step (speed, same tokens)",
+            tuple(lean_t / t for t, lean_t in zip(times["trainer"], times["lean"], strict=True)),
+            0.90,
+            detail=(
+                f"{len(trajectories)} lab trajectories, {len(calls)} calls, {n_tokens} completion tokens, "
+                f"{args.repeats} repeats; lean step {lean_s:.2f} s, trainer step "
+                f"{statistics.median(times['trainer']):.2f} s, pi_k pass "
+                f"{statistics.median(times['pi_k']) / lean_s:.2f} x a lean step"
+            ),
+        )
+    ]
+
+
+def main() -> None:
+    report(measure(arguments().parse_args()))
+
+
+if __name__ == "__main__":
+    main()
