@@ -72,10 +72,7 @@ format: install
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
 
 bench: install  ## benchmarks that print ratios measured side by side (not tests)
-	$(BIN)/python -m bench.engine
-	$(BIN)/python -m bench.delta_io
-	$(BIN)/python -m bench.estimators
-	$(BIN)/python -m bench.logprob_memory
+	$(BIN)/python -m bench
 	$(BIN)/python -m bench.gateway
 	$(BIN)/python -m bench.gateway_load
 

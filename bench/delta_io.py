@@ -6,8 +6,8 @@ few calls each). Written as round 1 of the `calls` table (`DeltaStore.overwrite_
 overwrite and its commit) from Arrow and from Python dicts, and as one parquet file
 (`pyarrow.parquet.write_table`); read back as the round (`DeltaStore.read`, through DataFusion) and
 as the file (`pyarrow.parquet.read_table`). Each repeat times each in turn; a ratio is parquet's
-time ÷ Delta's (Delta's speed relative to parquet), median and range over the repeats. Issue 15's
-goal is >= 0.8. Run: `make bench`.
+time ÷ Delta's (Delta's speed relative to parquet), median and range over the repeats. Goal: >= 0.8.
+Run: `make bench`.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from bench.ratios import Ratio, alternate, report, speedup
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import load_tokenizer
@@ -31,12 +30,6 @@ from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 from prodrl_pipeline.records.schema import TABLES
 from prodrl_pipeline.records.store import DeltaStore
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def _round_of_calls(batch: int, rows: int) -> list[dict]:
@@ -53,43 +46,58 @@ def _round_of_calls(batch: int, rows: int) -> list[dict]:
     ][:rows]
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=256, help="trajectories played")
     parser.add_argument("--rows", type=int, default=3000, help="calls in the round")
     parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
+    return parser
+
+
+SMOKE = ["--batch", "4", "--rows", "40", "--repeats", "1"]
+
+
+def measure(args: argparse.Namespace) -> list[Ratio]:
     calls = _round_of_calls(args.batch, args.rows)
     table = pa.Table.from_pylist(calls, schema=TABLES["calls"])
-    names = ("delta write", "delta write (dicts)", "parquet write", "delta read", "parquet read")
-    times: dict[str, list[float]] = {k: [] for k in names}
     with tempfile.TemporaryDirectory() as tmp:
         store, file = DeltaStore(Path(tmp) / "tables"), Path(tmp) / "calls.parquet"
         store.overwrite_round("calls", table, 1)  # the table exists, as after a first round
         pq.write_table(table, file)
-        for _ in range(args.repeats):
-            times["delta write"].append(_timed(lambda: store.overwrite_round("calls", table, 1)))
-            times["delta write (dicts)"].append(_timed(lambda: store.overwrite_round("calls", calls, 1)))
-            times["parquet write"].append(_timed(lambda: pq.write_table(table, file)))
-            times["delta read"].append(_timed(lambda: store.read("calls", 1)))
-            times["parquet read"].append(_timed(lambda: pq.read_table(file)))
-        assert store.read("calls", 1).num_rows == table.num_rows == pq.read_table(file).num_rows
-    print(
-        f"a round's calls: {table.num_rows} rows, {table.nbytes / 1e6:.1f} MB in Arrow; "
-        f"{args.repeats} repeats, each in turn (median time)"
-    )
-    for name, ts in times.items():
-        print(f"  {name:20s} {statistics.median(ts) * 1000:8.1f} ms")
-    for delta, parquet in (
-        ("delta write", "parquet write"),
-        ("delta write (dicts)", "parquet write"),
-        ("delta read", "parquet read"),
-    ):
-        ratios = [p / d for p, d in zip(times[parquet], times[delta], strict=True)]
-        print(
-            f"  {delta} speed / {parquet} = {statistics.median(ratios):.2f} "
-            f"(range {min(ratios):.2f}-{max(ratios):.2f}); goal >= 0.8"
+        times = alternate(
+            {
+                "delta write": lambda: store.overwrite_round("calls", table, 1),
+                "delta write (dicts)": lambda: store.overwrite_round("calls", calls, 1),
+                "parquet write": lambda: pq.write_table(table, file),
+                "delta read": lambda: store.read("calls", 1),
+                "parquet read": lambda: pq.read_table(file),
+            },
+            args.repeats,
         )
+        assert store.read("calls", 1).num_rows == table.num_rows == pq.read_table(file).num_rows
+    medians = ", ".join(f"{name} {statistics.median(ts) * 1000:.0f} ms" for name, ts in times.items())
+    detail = (
+        f"a round's calls, {table.num_rows} rows, {table.nbytes / 1e6:.1f} MB in Arrow, "
+        f"{args.repeats} repeats; {medians}"
+    )
+    return [
+        Ratio(
+            "Delta write / parquet write (speed)",
+            speedup(times, "delta write", "parquet write"),
+            0.8,
+            detail=detail,
+        ),
+        Ratio(
+            "Delta write from dicts / parquet write (speed)",
+            speedup(times, "delta write (dicts)", "parquet write"),
+            0.8,
+        ),
+        Ratio("Delta read / parquet read (speed)", speedup(times, "delta read", "parquet read"), 0.8),
+    ]
+
+
+def main() -> None:
+    report(measure(arguments().parse_args()))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from bench.ratios import Ratio, alternate, report
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import load_tokenizer
@@ -37,30 +38,33 @@ ESTIMATORS = {
 }
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--extra-samples", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    return parser
+
+
+SMOKE = ["--batch", "4", "--extra-samples", "2", "--repeats", "1"]
+
+
+def measure(args: argparse.Namespace) -> list[Ratio]:
     torch.manual_seed(0)
     tok = load_tokenizer("data/tokenizer")
     model = build_model(TinyQwen3Config(), len(tok), tok.pad_token_id)
     puzzles = list(iter_lab_puzzles("data", "train"))[: args.batch]
+    engines = {
+        m: TorchEngine(model, tok.eos_token_id, tok.pad_token_id, extra_samples=m)
+        for m in (0, args.extra_samples)
+    }
+    played = {}
 
-    gen_times: dict[int, list[float]] = {0: [], args.extra_samples: []}
-    for _ in range(args.repeats):
-        for m in gen_times:
-            engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, extra_samples=m)
-            t0 = time.perf_counter()
-            rollouts = play(engine, tok, puzzles, SamplingParams(), deployment_id="d", round_=1, seed=0)
-            gen_times[m].append(time.perf_counter() - t0)
-    base = statistics.median(gen_times[0])
-    print(
-        f"engine, {args.batch} trajectories: M=0 {base:.3f} s; "
-        f"M={args.extra_samples} / M=0 = {statistics.median(gen_times[args.extra_samples]) / base:.3f}"
-    )
+    def collect(m: int) -> None:
+        played[m] = play(engines[m], tok, puzzles, SamplingParams(), deployment_id="d", round_=1, seed=0)
 
+    gen_times = alternate({m: lambda m=m: collect(m) for m in engines}, args.repeats)
+    rollouts = played[args.extra_samples]  # recorded with M extra samples: every estimator can run
     adv = [
         {
             "trajectory_id": t["trajectory_id"],
@@ -85,13 +89,29 @@ def main() -> None:
             )
             times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["reinforce"])
-    print(
-        f"\ntrain step, B={args.batch} trajectories ({sum(len(c['completion_token_ids']) for c in calls)} "
-        f"completion tokens), median of {args.repeats}; reinforce = {base:.3f} s"
-    )
-    print(f"{'estimator':34s} step time / reinforce")
-    for name, ts in times.items():
-        print(f"{name:34s} {statistics.median(ts) / base:.3f}")
+    relative = ", ".join(f"{name} {statistics.median(ts) / base:.2f}" for name, ts in times.items())
+    n_tokens = sum(len(c["completion_token_ids"]) for c in calls)
+    m = args.extra_samples
+    return [
+        Ratio(
+            "score centering (head, K=20) step / reinforce step",
+            tuple(
+                s / r for s, r in zip(times["score_centering (head, K=20)"], times["reinforce"], strict=True)
+            ),
+            1.10,
+            at_least=False,
+            detail=(
+                f"one step on {args.batch} lab trajectories ({n_tokens} completion tokens), {args.repeats} "
+                f"repeats; reinforce {base:.2f} s; every estimator's step / reinforce: {relative}; "
+                f"engine with M={m} extra samples / M=0: "
+                f"{statistics.median(gen_times[m]) / statistics.median(gen_times[0]):.2f}"
+            ),
+        )
+    ]
+
+
+def main() -> None:
+    report(measure(arguments().parse_args()))
 
 
 if __name__ == "__main__":

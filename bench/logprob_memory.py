@@ -9,10 +9,13 @@ Run: `make bench` (or `.venv/bin/python -m bench.logprob_memory`).
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 
 import torch
+
+from bench.ratios import Ratio, report
 
 
 def _rss_kb(field: str) -> int:
@@ -61,40 +64,49 @@ def _run(variant: str, tokens: int, vocab: int, hidden: int, chunk: int) -> None
     print((_rss_kb("VmHWM") - before) / 1024)
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=1024)
-    parser.add_argument("--variant", choices=["naive", "chunked"])
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=1, help="fresh process pairs")
+    parser.add_argument("--variant", choices=["naive", "chunked"], help="(internal) run one variant")
+    return parser
+
+
+SMOKE = ["--tokens", "512", "--vocab", "2048", "--chunk", "128"]
+
+
+def measure(args: argparse.Namespace) -> list[Ratio]:
+    peaks: dict[str, list[float]] = {"naive": [], "chunked": []}
+    for _ in range(args.repeats):
+        for variant in peaks:
+            cmd = [sys.executable, "-m", "bench.logprob_memory", "--variant", variant]
+            for flag in ("tokens", "vocab", "hidden", "chunk"):
+                cmd += [f"--{flag}", str(getattr(args, flag))]
+            done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            peaks[variant].append(float(done.stdout.split()[-1]))
+    return [
+        Ratio(
+            "peak memory, chunked log-probs / naive",
+            tuple(c / n for c, n in zip(peaks["chunked"], peaks["naive"], strict=True)),
+            0.30,
+            at_least=False,
+            detail=(
+                f"{args.tokens} tokens at V={args.vocab}, forward + backward, peak RSS growth: naive "
+                f"{statistics.median(peaks['naive']):.0f} MiB, chunked ({args.chunk} tokens) "
+                f"{statistics.median(peaks['chunked']):.0f} MiB"
+            ),
+        )
+    ]
+
+
+def main() -> None:
+    args = arguments().parse_args()
     if args.variant:
         return _run(args.variant, args.tokens, args.vocab, args.hidden, args.chunk)
-    peaks = {}
-    for variant in ("naive", "chunked"):
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.logprob_memory",
-            "--variant",
-            variant,
-            "--tokens",
-            str(args.tokens),
-            "--vocab",
-            str(args.vocab),
-            "--hidden",
-            str(args.hidden),
-            "--chunk",
-            str(args.chunk),
-        ]
-        peaks[variant] = float(
-            subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1]
-        )
-    print(f"log-probs of {args.tokens} tokens at V={args.vocab}, forward + backward, peak RSS growth:")
-    print(f"  naive [tokens, V] log_softmax: {peaks['naive']:.0f} MiB")
-    print(f"  chunked ({args.chunk} tokens, recomputed in backward): {peaks['chunked']:.0f} MiB")
-    print(f"  chunked / naive = {peaks['chunked'] / peaks['naive']:.3f}")
+    return report(measure(args))
 
 
 if __name__ == "__main__":
