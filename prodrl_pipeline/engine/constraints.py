@@ -49,24 +49,19 @@ class ChoiceConstraint:
     def __init__(self, sequences: Sequence[Sequence[int]]):
         if not sequences:
             raise ValueError("a choice constraint needs at least one allowed sequence")
-        self.sequences = tuple(tuple(int(t) for t in seq) for seq in sequences)
+        self.sequences = tuple(tuple(map(int, seq)) for seq in sequences)
+        ordered = sorted(set(self.sequences))
+        if not ordered[0]:
+            raise ValueError("allowed sequences must be non-empty")
+        # sorted, a sequence that is a prefix of others comes right before the first of them
+        for a, b in zip(ordered, ordered[1:], strict=False):
+            if b[: len(a)] == a:
+                raise ValueError(f"allowed sequence {list(a)} is a prefix of another")
         self.root: dict[int, dict] = {}
-        for seq in sequences:
-            if not seq:
-                raise ValueError("allowed sequences must be non-empty")
+        for seq in ordered:
             node = self.root
             for tok in seq:
-                node = node.setdefault(int(tok), {})
-        self._check_prefix_free(self.root, sequences)
-
-    @staticmethod
-    def _check_prefix_free(root: dict, sequences: Sequence[Sequence[int]]) -> None:
-        for seq in sequences:
-            node = root
-            for tok in seq:
-                node = node[int(tok)]
-            if node:
-                raise ValueError(f"allowed sequence {list(seq)} is a prefix of another")
+                node = node.setdefault(tok, {})
 
     def start(self) -> TrieState:
         return TrieState(self.root)

@@ -1,5 +1,7 @@
 """The token trie behind tool-choice constraints, step by step on hand-written sequences."""
 
+import random
+
 import pytest
 import torch
 
@@ -49,3 +51,17 @@ def test_the_choice_for_vllm_is_the_same_sequences_as_a_grammar():
 def test_a_choice_refuses_sequences_it_cannot_tell_apart(sequences, message):
     with pytest.raises(ValueError, match=message):
         ChoiceConstraint(sequences)
+
+
+def test_the_prefix_check_agrees_with_comparing_every_pair():
+    rng = random.Random(0)
+    for _ in range(500):
+        seqs = [[rng.randrange(3) for _ in range(rng.randrange(1, 4))] for _ in range(rng.randrange(1, 6))]
+        unique = {tuple(s) for s in seqs}
+        prefix = any(a != b and b[: len(a)] == a for a in unique for b in unique)
+        try:
+            ChoiceConstraint(seqs)
+            refused = False
+        except ValueError:
+            refused = True
+        assert refused == prefix, seqs
