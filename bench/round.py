@@ -9,6 +9,8 @@ after its base model. Timers wrap, without changing them, the calls that do a ro
 - tables: every `DeltaStore` read and write;
 - environment: the chess episodes (`ChessEpisode` set-up and `step`) and the move constraints;
 - tokenizer: rendering conversations to prompt ids;
+- puzzle files, validation (of the collected calls), checkpoint files, plots (eval_report's PNGs):
+  the largest pieces of bookkeeping;
 - asset bodies: each round asset's own function (everything above happens inside them).
 Ratios, one sample per round:
 - the environment, tokenizer and bookkeeping (asset bodies minus engine, trainer and export) ÷
@@ -34,8 +36,10 @@ import assets.advantages
 import assets.checkpoint
 import assets.deployment
 import assets.eval_report
+import assets.metadata
 import assets.trajectories
 import prodrl_pipeline.envs.rollout
+import resources.lab
 from assets.base_model import base_model
 from assets.checks import CHECKS
 from assets.partitions import round_key
@@ -73,7 +77,16 @@ WORK = {  # bucket: (owner, attribute) pairs, looked up at call time by their ca
         (prodrl_pipeline.envs.rollout, "tool_choice_constraint"),
     ],
     "tokenizer": [(prodrl_pipeline.envs.rollout, "render_ids")],
+    "puzzle files": [(resources.lab, "_puzzles")],
+    "validation": [(assets.trajectories, "split_valid"), (assets.trajectories, "prefix_continuity")],
+    "checkpoint files": [
+        (assets.checkpoint, "save_checkpoint"),
+        (assets.checkpoint, "load_checkpoint"),
+        (assets.deployment, "load_checkpoint"),
+    ],
+    "plots": [(assets.metadata, "curves_png")],
 }
+MODEL_WORK = ("engine", "trainer", "export")
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -141,10 +154,12 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
                     resources=resources,
                 ).success
                 wall = time.perf_counter() - t0
-            rest = spent["asset bodies"] - spent["engine"] - spent["trainer"] - spent["export"]
+            rest = spent["asset bodies"] - sum(spent[name] for name in MODEL_WORK)
             shares.append(rest / wall)
             overheads.append(wall / spent["asset bodies"])
+            other = rest - sum(spent[name] for name in WORK if name not in MODEL_WORK)
             parts = ", ".join(f"{name} {spent[name]:.1f} s" for name in [*WORK, "asset bodies"])
+            parts += f", other bookkeeping {other:.1f} s"
             lines.append(f"round {k}: {wall:.1f} s ({parts})")
     setting = f"S={args.steps}, B={args.batch}, {args.rounds} round(s); " + "; ".join(lines)
     return [

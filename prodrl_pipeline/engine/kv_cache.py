@@ -77,6 +77,19 @@ def growing_cache() -> Cache:
     return Cache(layer_class_to_replicate=GrowingLayer)
 
 
+def stacked(caches: list[Cache], length: int, rows: torch.Tensor) -> Cache:
+    """One cache of every row of `caches` (each left-padded to `length` positions), taken in the
+    order `rows` indexes the stacked rows."""
+    out = growing_cache()
+    for parts in zip(*(c.layers for c in caches), strict=True):
+        layer = GrowingLayer()
+        keys = torch.cat([left_pad(p.keys, length, dim=2) for p in parts])[rows]
+        values = torch.cat([left_pad(p.values, length, dim=2) for p in parts])[rows]
+        layer.update(keys, values)
+        out.layers.append(layer)
+    return out
+
+
 def _grown(x: torch.Tensor, capacity: int) -> torch.Tensor:
     out = x.new_empty((x.shape[0], x.shape[1], capacity, x.shape[3]))
     out[:, :, : x.shape[2]] = x

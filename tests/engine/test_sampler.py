@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import Request, TorchEngine, draw
+from prodrl_pipeline.engine.sampler import PREFILL_ROWS, Request, TorchEngine, draw
 from prodrl_pipeline.envs.chat import render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
@@ -86,6 +86,23 @@ def test_a_request_seed_gives_the_same_draws_alone_or_in_any_batch(tiny_model, t
         engine.generate([Request(prompts[0], SamplingParams(max_tokens=12))], seed=s)[0] for s in (1, 2)
     ]
     assert unseeded[0].token_ids != unseeded[1].token_ids  # the draws do depend on the seed
+
+
+def test_prompts_prefilled_in_length_groups_each_decode_as_alone(
+    tiny_model, tokenizer, heldout
+):
+    """More prompts than one prefill group, of many lengths and given unsorted: every row keeps its
+    request's place, tokens and log-probs (each request seeded, so its draws are its own)."""
+    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id, top_logprobs=3)
+    full = render_ids(tokenizer, ChessEpisode(heldout[0]).messages)
+    lengths = [(7 * i) % 60 + 5 for i in range(PREFILL_ROWS + 9)]  # two groups, lengths shuffled
+    requests = [Request(full[-n:], SamplingParams(max_tokens=4, seed=i)) for i, n in enumerate(lengths)]
+    together = engine.generate(requests, seed=0)
+    for request, out in zip(requests, together, strict=True):
+        alone = engine.generate([request], seed=1)[0]
+        assert out.token_ids == alone.token_ids
+        assert out.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert out.topk_ids == alone.topk_ids
 
 
 def test_on_token_is_called_after_every_token_and_can_end_the_completion(tiny_model, tokenizer, heldout):
