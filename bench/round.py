@@ -4,12 +4,13 @@ A round of the embedded lab (the default `LabResource`: S = 16 steps of B = 64 t
 held-out evaluation, NVFP4 export) runs through `dagster.materialize` in process on a fresh store,
 after its base model. Timers wrap, without changing them, the calls that do a round's work:
 - engine: `TorchEngine.generate` (collection and the held-out evaluation);
-- trainer: `train_round` (its optimizer steps and the round's pi_k pass);
+- trainer: `train_round` (the optimizer steps) and `policy_logprobs` (the round's pi_k pass);
 - export: the NVFP4 export of the deployment;
 - tables: every `DeltaStore` read and write;
 - environment: the chess episodes (`ChessEpisode` set-up and `step`) and the move constraints;
 - tokenizer: rendering conversations to prompt ids;
-- puzzle files, validation (of the collected calls), checkpoint files, plots (eval_report's PNGs):
+- puzzle files, validation (of the collected calls), checkpoint files (with the resumable state),
+  plots (eval_report's PNGs):
   the largest pieces of bookkeeping;
 - asset bodies: each round asset's own function (everything above happens inside them).
 Ratios, one sample per round:
@@ -68,7 +69,7 @@ BODIES = [
 ]
 WORK = {  # bucket: (owner, attribute) pairs, looked up at call time by their callers
     "engine": [(TorchEngine, "generate")],
-    "trainer": [(assets.checkpoint, "train_round")],
+    "trainer": [(assets.checkpoint, "train_round"), (assets.checkpoint, "policy_logprobs")],
     "export": [(assets.deployment, "export_deployment")],
     "tables": [(DeltaStore, name) for name in ("read", "overwrite", "overwrite_round", "append")],
     "environment": [
@@ -82,6 +83,7 @@ WORK = {  # bucket: (owner, attribute) pairs, looked up at call time by their ca
     "checkpoint files": [
         (assets.checkpoint, "save_checkpoint"),
         (assets.checkpoint, "load_checkpoint"),
+        (assets.checkpoint, "save_state"),
         (assets.deployment, "load_checkpoint"),
     ],
     "plots": [(assets.metadata, "curves_png")],

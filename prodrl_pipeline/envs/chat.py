@@ -157,17 +157,24 @@ def render_ids(
         add_generation_prompt=add_generation_prompt,
     )
     placeholder = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
-    ids, pos = [], 0
+    segments, markers, pos = [], [], 0
     for match in [*marker.finditer(text), None]:  # markers here are the template's own
         segment = placeholder.sub(
             lambda m: held[int(m.group(1))], text[pos : match.start() if match else None]
         )
         if nonce in segment:  # the template changed a placeholder (trim, split, ASCII escaping)
             raise ValueError("the chat template transforms message text; render_ids cannot keep it plain")
-        ids += tokenizer(segment, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        segments.append(segment)
         if match:
-            ids.append(tokenizer.convert_tokens_to_ids(match.group()))
+            markers.append(tokenizer.convert_tokens_to_ids(match.group()))
             pos = match.end()
+    # the text between markers, tokenized in one call (each segment on its own, as plain text)
+    encoded = tokenizer(segments, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    ids = []
+    for i, segment_ids in enumerate(encoded):
+        ids += segment_ids
+        if i < len(markers):
+            ids.append(markers[i])
     return ids
 
 
