@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
+PLACEHOLDER = re.compile("\ue000([0-9a-f]{16}):(\\d+)\ue001")  # render_ids' stand-in: nonce, index
 
 CHAT_TEMPLATE = (
     # No whitespace control: every newline below is part of the rendering.
@@ -156,11 +157,11 @@ def render_ids(
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
     )
-    placeholder = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
     segments, markers, pos = [], [], 0
     for match in [*marker.finditer(text), None]:  # markers here are the template's own
-        segment = placeholder.sub(
-            lambda m: held[int(m.group(1))], text[pos : match.start() if match else None]
+        segment = PLACEHOLDER.sub(
+            lambda m: held[int(m.group(2))] if m.group(1) == nonce else m.group(),
+            text[pos : match.start() if match else None],
         )
         if nonce in segment:  # the template changed a placeholder (trim, split, ASCII escaping)
             raise ValueError("the chat template transforms message text; render_ids cannot keep it plain")

@@ -1,6 +1,8 @@
+import random
+
 import chess
 
-from prodrl_pipeline.envs.chess_env import ChessEpisode, move_text, tool_call_message
+from prodrl_pipeline.envs.chess_env import ChessEpisode, legal_moves_by_text, move_text, tool_call_message
 from prodrl_pipeline.envs.puzzles import Puzzle
 
 
@@ -79,3 +81,32 @@ def test_partial_credit(train_puzzles):
     wrong = next(m for m in ep.board.legal_moves if not _mates(ep.board, m))
     _play(ep, wrong.uci())
     assert ep.done and ep.reward == 0.5
+
+
+def _positions(games: int, seed: int = 0) -> list[chess.Board]:
+    """Every position of random games: castling, en passant, promotions (several queens too) and
+    ambiguous moves by file, by rank and by both all occur."""
+    rng, boards = random.Random(seed), []
+    for _ in range(games):
+        board = chess.Board()
+        while not board.is_game_over() and board.ply() < 300:
+            boards.append(board.copy(stack=False))
+            board.push(rng.choice(list(board.legal_moves)))
+    return boards
+
+
+def test_legal_moves_are_rendered_as_python_chess_san_with_mate_shown_as_check():
+    boards = [*_positions(12), chess.Board("k7/8/K7/8/7Q/8/8/4Q2Q w - - 0 1")]  # Qh1e4: file and rank
+    rendered = {}
+    for board in boards:
+        expected = {move_text(board, m): m for m in board.legal_moves}
+        got = legal_moves_by_text(board)
+        assert got == expected and list(got) == sorted(expected), board.fen()
+        rendered.update(got)
+    texts = "".join(rendered)
+    for feature in ("O-O", "O-O-O", "=Q", "=N", "x", "+"):
+        assert feature in texts, feature  # the positions did exercise every rule
+    assert any(t[1] in "abcdefgh" and t[2] in "abcdefghx" for t in rendered if t[0] in "NRQB"), "by file"
+    assert any(t[1] in "12345678" for t in rendered if t[0] in "NRQB"), "by rank"
+    assert {"Qh1e4+", "Q4e4+", "Qee4+"} <= set(rendered), "by file and rank, by rank, by file"
+    assert any(board.has_legal_en_passant() for board in boards)
