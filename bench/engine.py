@@ -7,6 +7,10 @@ run of each contender, in turn. Ratios (median and range over the repeats):
 - engine tokens/s ÷ `generate` tokens/s, goal >= 1.5;
 - engine tokens/s ÷ the same engine with recording stubbed out (only the sampled ids kept: no
   log-prob, head, support or extra samples), goal >= 0.98.
+Also shown, as bounds: the share of the engine's time spent in the model's forward passes (with
+everything else free, the first ratio could grow by 1 ÷ that share at most), and the share that
+`torch.topk` of the K = 20 head alone would take (what recording the head cannot avoid: the second
+ratio is at most 1 minus it).
 Run: `make bench` (or `.venv/bin/python -m bench.engine`).
 """
 
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -72,6 +78,30 @@ def _hf_tokens(model, prompts: list[list[int]], new_tokens: int, pad_id: int, eo
     return int(((ended == 0) | ((ended == 1) & (out == eos_id))).sum())
 
 
+@contextmanager
+def _forward_seconds(model) -> Iterator[list[float]]:  # noqa: ANN001
+    """Seconds spent inside `model`'s forward passes while the block runs (hooks, no change)."""
+    spent, start = [0.0], [0.0]
+    pre = model.register_forward_pre_hook(lambda *_: start.__setitem__(0, time.perf_counter()))
+    post = model.register_forward_hook(
+        lambda *_: spent.__setitem__(0, spent[0] + time.perf_counter() - start[0])
+    )
+    try:
+        yield spent
+    finally:
+        pre.remove()
+        post.remove()
+
+
+def _topk_seconds(rows: int, vocab: int, steps: int, k: int = 20) -> float:
+    """`torch.topk` of a K head on [rows, vocab] logits, once per decode step."""
+    logits = torch.randn(rows, vocab)
+    start = time.perf_counter()
+    for _ in range(steps):
+        torch.topk(logits, k)
+    return time.perf_counter() - start
+
+
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=64)
@@ -99,20 +129,27 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             with _unrecorded():
                 tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
         else:
-            tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
+            with _forward_seconds(model) as spent:
+                tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
+            forward_share.append(spent[0])
 
     with torch.inference_mode():
         _engine_tokens(engine, prompts[:4], 4)  # warm-up
         _hf_tokens(model, prompts[:4], 4, tok.pad_token_id, tok.eos_token_id)
         per_run: dict[str, list[float]] = {"engine": [], "generate": [], "unrecorded": []}
+        topk_share, forward_share = [], []
         for _ in range(args.repeats):  # tokens/s of each run (a contender's token count may vary)
             times = alternate({name: lambda n=name: run(n) for name in per_run}, 1)
             for name in per_run:
                 per_run[name].append(tokens[name] / times[name][0])
+            steps = -(-tokens["engine"] // len(prompts))  # decode steps at least
+            topk_share.append(_topk_seconds(len(prompts), len(tok), steps) / times["engine"][0])
+            forward_share[-1] /= times["engine"][0]
     detail = (
         f"lab model, {args.prompts} prompts x up to {args.new_tokens} new tokens, T=1, K=20 recorded, "
         f"{args.repeats} repeats; tokens/s engine {statistics.median(per_run['engine']):.0f}, "
-        f"generate {statistics.median(per_run['generate']):.0f}"
+        f"generate {statistics.median(per_run['generate']):.0f}; the model's forward passes are "
+        f"{statistics.median(forward_share):.0%} of the engine's time"
     )
     return [
         Ratio(
@@ -125,6 +162,7 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             "engine recording K=20 / recording stubbed out",
             tuple(e / u for e, u in zip(per_run["engine"], per_run["unrecorded"], strict=True)),
             0.98,
+            detail=f"topk of the K=20 head alone: {statistics.median(topk_share):.1%} of the engine's time",
         ),
     ]
 

@@ -7,7 +7,8 @@ tensors already packed, forward, project only the completion positions to the vo
 cross-entropy of the sampled ids, backward, Adam: the same microbatches, the same model size.
 Each repeat times both, in turn, each on its own copy of the model. Ratio: lean step time ÷
 trainer step time (the trainer's speed relative to the lean step), goal >= 0.90. Also shown: the
-round's pi_k pass relative to a lean step.
+round's pi_k pass relative to a lean step, and the trainer step with each log-prob chunk kept for
+the backward pass instead of recomputed (the price of the log-prob memory goal).
 Run: `make bench` (or `.venv/bin/python -m bench.trainer`).
 """
 
@@ -16,10 +17,13 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
+import prodrl_pipeline.rl.logprobs
 from bench.ratios import Ratio, alternate, report
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
@@ -58,6 +62,17 @@ def lean_step(model, optimizer: torch.optim.Optimizer, micros: list[Sequences]) 
     optimizer.step()
 
 
+@contextmanager
+def _chunks_kept() -> Iterator[None]:
+    """The trainer's log-prob chunks run without activation checkpointing (kept, not recomputed)."""
+    recomputed = prodrl_pipeline.rl.logprobs.checkpoint
+    prodrl_pipeline.rl.logprobs.checkpoint = lambda fn, *args, use_reentrant: fn(*args)
+    try:
+        yield
+    finally:
+        prodrl_pipeline.rl.logprobs.checkpoint = recomputed
+
+
 def measure(args: argparse.Namespace) -> list[Ratio]:
     torch.manual_seed(0)
     tok = load_tokenizer("data/tokenizer")
@@ -75,11 +90,18 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
     trainer_opt, lean_opt = make_optimizer(trained, cfg, None), make_optimizer(lean, cfg, None)
     micros = [build_sequences(mb, tok.pad_token_id) for mb in _microbatches(calls, cfg.microbatch_calls)]
     round_start = policy_logprobs(trained, calls, cfg, tok.pad_token_id, fake_quant=False)
+
+    def step() -> None:
+        train_round(trained, trainer_opt, calls, advantages, cfg, tok.pad_token_id, round_start=round_start)
+
+    def step_chunks_kept() -> None:
+        with _chunks_kept():
+            step()
+
     times = alternate(
         {
-            "trainer": lambda: train_round(
-                trained, trainer_opt, calls, advantages, cfg, tok.pad_token_id, round_start=round_start
-            ),
+            "trainer": step,
+            "chunks kept": step_chunks_kept,
             "lean": lambda: lean_step(lean, lean_opt, micros),
             "pi_k": lambda: policy_logprobs(trained, calls, cfg, tok.pad_token_id, fake_quant=False),
         },
@@ -87,6 +109,7 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
     )
     n_tokens = sum(len(c["completion_token_ids"]) for c in calls)
     lean_s = statistics.median(times["lean"])
+    kept = statistics.median(l / t for t, l in zip(times["chunks kept"], times["lean"], strict=True))
     return [
         Ratio(
             "lean step / trainer step (speed, same tokens)",
@@ -96,7 +119,8 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
                 f"{len(trajectories)} lab trajectories, {len(calls)} calls, {n_tokens} completion tokens, "
                 f"{args.repeats} repeats; lean step {lean_s:.2f} s, trainer step "
                 f"{statistics.median(times['trainer']):.2f} s, pi_k pass "
-                f"{statistics.median(times['pi_k']) / lean_s:.2f} x a lean step"
+                f"{statistics.median(times['pi_k']) / lean_s:.2f} x a lean step; lean step / trainer step "
+                f"with log-prob chunks kept, not recomputed: {kept:.2f}"
             ),
         )
     ]
