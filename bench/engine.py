@@ -9,8 +9,8 @@ run of each contender, in turn. Ratios (median and range over the repeats):
   log-prob, head, support or extra samples), goal >= 0.98.
 Also shown, as bounds: the share of the engine's time spent in the model's forward passes (with
 everything else free, the first ratio could grow by 1 ÷ that share at most), and the share that
-`torch.topk` of the K = 20 head alone would take (what recording the head cannot avoid: the second
-ratio is at most 1 minus it).
+`torch.topk` of the K = 20 head alone would take (what recording the head cannot avoid; an upper
+estimate, every row timed at every step: the second ratio is at most about 1 minus it).
 Run: `make bench` (or `.venv/bin/python -m bench.engine`).
 """
 

@@ -1,6 +1,7 @@
 """How the engine's and the trainer's costs grow with B, S, sequence length and K (lab model).
 
-Each point is the median of `--repeats` timings at one size, the others held at the middle value:
+Each point is the median of `--repeats` timings at one size, the others held at the middle value;
+the sizes of one variable are timed in turn within each repeat:
 - engine: one batched `generate` of B lab prompts with up to L new tokens recording a K head
   (T = 1, no constraint): seconds per call over B, L and K;
 - trainer: a round of S optimizer steps, each on B synthetic calls (a 144-token prompt, as the lab's,
@@ -15,11 +16,12 @@ import argparse
 import json
 import random
 import statistics
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from bench.ratios import alternate
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import Request, TorchEngine
 from prodrl_pipeline.envs.chat import load_tokenizer, render_ids
@@ -39,15 +41,6 @@ SMOKE_SIZES = {"B": ((2, 4), (2, 4)), "S": ((), (1, 2)), "L": ((2, 4), (2, 4)), 
 
 def _middle(sizes: tuple[int, ...]) -> int:
     return sizes[(len(sizes) - 1) // 2]
-
-
-def _median_seconds(fn, repeats: int) -> float:  # noqa: ANN001
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _synthetic_calls(n: int, length: int, k: int, vocab: int, seed: int) -> list[dict]:
@@ -72,8 +65,9 @@ def _synthetic_calls(n: int, length: int, k: int, vocab: int, seed: int) -> list
     ]
 
 
-def _round_seconds(at: dict[str, int], vocab: int, pad_id: int, seed: int, repeats: int) -> float:
-    """A round of S steps of B synthetic calls each, from fresh weights and a fresh optimizer."""
+def _round(at: dict[str, int], vocab: int, pad_id: int, seed: int) -> Callable[[], object]:
+    """A round of S steps of B synthetic calls each, on its own weights and optimizer (each call
+    continues from the last: the cost does not depend on the weights)."""
     calls = _synthetic_calls(at["B"] * at["S"], at["L"], at["K"], vocab, seed)
     advantages = [
         {"trajectory_id": c["trajectory_id"], "minibatch": i // at["B"], "reward": 0.0, "advantage": 1.0}
@@ -82,11 +76,12 @@ def _round_seconds(at: dict[str, int], vocab: int, pad_id: int, seed: int, repea
     cfg = TrainerConfig(steps=at["S"], batch_size=at["B"], warmup_steps=0)
     model = build_model(TinyQwen3Config(), vocab, pad_id)
     optimizer = make_optimizer(model, cfg, None)
-    return _median_seconds(lambda: train_round(model, optimizer, calls, advantages, cfg, pad_id), repeats)
+    return lambda: train_round(model, optimizer, calls, advantages, cfg, pad_id)
 
 
 def measure(sizes: dict, repeats: int) -> dict[str, dict[str, list[list[float]]]]:
-    """{variable: {"engine" | "trainer": [[size, seconds], ...]}}."""
+    """{variable: {"engine" | "trainer": [[size, seconds], ...]}}: per variable and stage, every
+    size's run once per repeat, in turn (drift on a noisy machine spreads over all sizes alike)."""
     torch.manual_seed(0)
     tok = load_tokenizer("data/tokenizer")
     model = build_model(TinyQwen3Config(), len(tok), tok.pad_token_id)
@@ -94,19 +89,24 @@ def measure(sizes: dict, repeats: int) -> dict[str, dict[str, list[list[float]]]
     default = {v: (_middle(e) if e else None, _middle(t)) for v, (e, t) in sizes.items()}
     out: dict[str, dict[str, list[list[float]]]] = {v: {"engine": [], "trainer": []} for v in sizes}
     for variable, (engine_sizes, trainer_sizes) in sizes.items():
+        runs: dict[str, dict[int, Callable[[], object]]] = {"engine": {}, "trainer": {}}
         for size in engine_sizes:
             at = {v: d[0] for v, d in default.items()} | {variable: size}
             engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id, top_logprobs=at["K"])
             requests = [Request(p, SamplingParams(max_tokens=at["L"])) for p in prompts[: at["B"]]]
-            with torch.inference_mode():
-                seconds = _median_seconds(lambda e=engine, r=requests: e.generate(r, seed=0), repeats)
-            out[variable]["engine"].append([size, seconds])
-            print(f"engine {variable}={size}: {seconds:.3f} s", flush=True)
+            runs["engine"][size] = lambda e=engine, r=requests: e.generate(r, seed=0)
         for size in trainer_sizes:
             at = {v: d[1] for v, d in default.items()} | {variable: size}
-            seconds = _round_seconds(at, len(tok), tok.pad_token_id, seed=size, repeats=repeats)
-            out[variable]["trainer"].append([size, seconds])
-            print(f"trainer {variable}={size}: {seconds:.3f} s", flush=True)
+            runs["trainer"][size] = _round(at, len(tok), tok.pad_token_id, seed=size)
+        for stage, by_size in runs.items():
+            if not by_size:
+                continue
+            with torch.inference_mode(stage == "engine"):
+                times = alternate({str(size): fn for size, fn in by_size.items()}, repeats)
+            for size in by_size:
+                seconds = statistics.median(times[str(size)])
+                out[variable][stage].append([size, seconds])
+                print(f"{stage} {variable}={size}: {seconds:.3f} s", flush=True)
     return out
 
 
@@ -115,6 +115,7 @@ def plot(figures: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 3.4))
     names = {
@@ -123,13 +124,18 @@ def plot(figures: dict, path: Path) -> None:
         "L": "L (completion tokens)",
         "K": "K (head)",
     }
+    plain = matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}")
     for ax, (variable, series) in zip(axes, figures.items(), strict=True):
-        for label, points in series.items():
+        for (label, points), color in zip(series.items(), ("C0", "C1"), strict=True):
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker="o", label=label)
+                ax.plot(xs, ys, marker="o", label=label, color=color)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_xticks(sorted({size for points in series.values() for size, _ in points}))
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(plain)
+            axis.set_minor_formatter(plain)
         ax.set_xlabel(names[variable])
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("seconds")

@@ -41,3 +41,23 @@ def test_every_benchmark_runs_and_the_table_is_written(tmp_path):
         assert r["median"] == statistics.median(r["samples"])
         assert r["passed"] == (r["median"] >= r["goal"] if r["at_least"] else r["median"] <= r["goal"])
         assert r["name"] in done.stdout  # and printed in the table
+
+
+def test_the_scaling_figures_are_written_for_every_variable(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.scaling", "--smoke", "--repeats", "1", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads((tmp_path / "scaling.json").read_text())
+    assert set(figures) == {"B", "S", "L", "K"}
+    assert not figures["S"]["engine"]  # the engine has no steps per round
+    for variable, series in figures.items():
+        for stage in ("engine", "trainer") if variable != "S" else ("trainer",):
+            sizes = [size for size, _ in series[stage]]
+            assert len(sizes) >= 2 and sizes == sorted(set(sizes)), (variable, stage)
+            assert all(math.isfinite(s) and s > 0 for _, s in series[stage]), (variable, stage)
+    assert (tmp_path / "scaling.png").read_bytes().startswith(b"\x89PNG")

@@ -56,6 +56,12 @@ EXECUTED: list[tuple[str, str, str]] = [
     (r"python -m prodrl_pipeline\.gateway --help", THIS, r'"prodrl_pipeline\.gateway", "--help"'),
     (r"pip install -e '\.\[(postgres|k8s)\]'", THIS, r'"pip", "install", "-e", f"\.\[\{extra\}\]"'),
     (r"make bench", THIS, r'"make", "-s", "bench"'),
+    (r"python -m bench( --smoke)?", "tests/test_bench_smoke.py", r'"-m", "bench", "--smoke"'),
+    (
+        r"python -m bench\.scaling( --smoke)?",
+        "tests/test_bench_smoke.py",
+        r'"-m", "bench\.scaling", "--smoke"',
+    ),
     (r"python -m bench\.gateway(_load)? .*", THIS, r"BENCH_COMMANDS"),
     (r"make data|python -m prodrl_pipeline\.envs\.lab_data data", THIS, r'"make", "-s", "data"'),
     (r"make study|python -m assets\.study (run|report).*", THIS, r'"assets\.study",\s*"run"'),

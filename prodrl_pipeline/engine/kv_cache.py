@@ -28,6 +28,7 @@ class GrowingLayer(DynamicLayer):
 
     @keys.setter
     def keys(self, value: None) -> None:  # DynamicLayer's reset; anything else goes through update
+        _refuse_tensor(value)
         self._k, self.length = value, 0
 
     @property
@@ -36,6 +37,7 @@ class GrowingLayer(DynamicLayer):
 
     @values.setter
     def values(self, value: None) -> None:
+        _refuse_tensor(value)
         self._v = value
 
     def update(
@@ -70,6 +72,12 @@ class GrowingLayer(DynamicLayer):
         """Drop the first `start` positions (columns no row attends to any more)."""
         self._k, self._v = self._k[:, :, start:], self._v[:, :, start:]  # keeps the spare capacity
         self.length -= start
+
+
+def _refuse_tensor(value: object) -> None:
+    """An inherited method assigning a tensor (crop, reorder, offload) would lose the length."""
+    if value is not None:
+        raise TypeError("a GrowingLayer is written through update, stack_below and cut_left only")
 
 
 def growing_cache() -> Cache:

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -44,3 +45,12 @@ def test_stacking_selecting_and_cutting_keep_each_rows_positions():
     assert a.keys[:, 0, :, 0].tolist() == [[2.0, 2.0, 2.0]] and a.get_seq_length() == 3
     a.update(torch.full((1, 1, 1, 2), 4.0), torch.full((1, 1, 1, 2), -4.0))
     assert a.values[:, 0, :, 0].tolist() == [[-2.0, -2.0, -2.0, -4.0]]
+
+
+def test_a_tensor_assigned_to_a_layer_is_refused_rather_than_emptying_it():
+    layer = GrowingLayer()
+    layer.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    for name in ("keys", "values"):
+        with pytest.raises(TypeError, match="written through update"):
+            setattr(layer, name, torch.zeros(1, 1, 1, 2))
+    assert layer.get_seq_length() == 3 and torch.equal(layer.keys, torch.ones(1, 1, 3, 2))

@@ -88,9 +88,7 @@ def test_a_request_seed_gives_the_same_draws_alone_or_in_any_batch(tiny_model, t
     assert unseeded[0].token_ids != unseeded[1].token_ids  # the draws do depend on the seed
 
 
-def test_prompts_prefilled_in_length_groups_each_decode_as_alone(
-    tiny_model, tokenizer, heldout
-):
+def test_prompts_prefilled_in_length_groups_each_decode_as_alone(tiny_model, tokenizer, heldout):
     """More prompts than one prefill group, of many lengths and given unsorted: every row keeps its
     request's place, tokens and log-probs (each request seeded, so its draws are its own)."""
     engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id, top_logprobs=3)
