@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError
 
@@ -31,6 +33,36 @@ def _one_line(error: Exception) -> str:
     """deltalake's error chain (colored, one cause per line) as one plain line."""
     lines = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()
     return ": ".join(part for line in lines if (part := line.strip().removeprefix("↳").strip()))
+
+
+def _read_files(dt: DeltaTable, round_: int | None) -> list[pa.Table]:
+    """A reader-protocol-1 snapshot's rows, one table per parquet file its log lists (optionally the
+    files of one round). A partitioned table's files do not hold `round`: each file's value comes
+    from the log (`file_uris` pruned by a partition value is exact)."""
+    if "round" not in dt.metadata().partition_columns:
+        parts = [pq.read_table(uri) for uri in dt.file_uris()]
+        return parts if round_ is None else [p.filter(pc.equal(p["round"], round_)) for p in parts]
+    values = pa.table(dt.get_add_actions(flatten=True))["partition.round"] if round_ is None else [round_]
+    parts = []
+    for value in sorted(set(values.to_pylist())) if round_ is None else values:
+        for uri in dt.file_uris(file_pruning_predicate=[("round", "=", value)]):
+            part = pq.read_table(uri)
+            parts.append(part.append_column("round", pa.array([value] * part.num_rows, pa.int64())))
+    return parts
+
+
+def _read_sql(dt: DeltaTable, round_: int | None) -> pa.Table:
+    where = f" WHERE round = {int(round_)}" if round_ is not None else ""
+    return pa.table(QueryBuilder().register("t", dt).execute(f"SELECT * FROM t{where}").read_all())
+
+
+def _as_schema(data: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Rows read from a table as `schema` (string views, large types and column order as ours); a
+    file written by an older prodrl lacks newer (nullable) columns: they are filled with nulls."""
+    for field in schema:
+        if field.name not in data.column_names:
+            data = data.append_column(field.name, pa.nulls(data.num_rows, field.type))
+    return data.select(schema.names).cast(schema)
 
 
 class DeltaStore:
@@ -198,19 +230,23 @@ class DeltaStore:
 
     def read(self, table: str, round_: int | None = None, version: int | None = None) -> pa.Table:
         """Rows of `table` (optionally one round, at a pinned version); empty if it doesn't exist.
-        Read through DataFusion: pyarrow's dataset scan of a Delta table can abort the interpreter
-        at exit (its thread pool calling back into deltalake's Python filesystem)."""
+        A plain table (Delta reader protocol 1: no deletion vectors, no column mapping) in a local
+        folder is read as the parquet files its log lists, with pyarrow; any other through
+        DataFusion. Not with pyarrow's dataset scan of the Delta table: that can abort the
+        interpreter at exit (its thread pool calling back into deltalake's Python filesystem)."""
         if not self.exists(table):
             return TABLES[table].empty_table()
-        where = f" WHERE round = {int(round_)}" if round_ is not None else ""
-        qb = QueryBuilder().register("t", self._read(table, version))
+        dt = self._read(table, version)
         with self._reading(table):  # the log's per-file stats are parsed only now
-            data = pa.table(qb.execute(f"SELECT * FROM t{where}").read_all())
+            parts = _read_files(dt, round_) if self._plain(dt) else [_read_sql(dt, round_)]
         schema = TABLES[table]
-        for field in schema:  # a table written by an older prodrl lacks newer (nullable) columns
-            if field.name not in data.column_names:
-                data = data.append_column(field.name, pa.nulls(data.num_rows, field.type))
-        return data.select(schema.names).cast(schema)
+        return pa.concat_tables([_as_schema(p, schema) for p in parts]) if parts else schema.empty_table()
+
+    def _plain(self, dt: DeltaTable) -> bool:
+        """Whether `dt`'s files are all there is to read: a local table of reader protocol 1."""
+        protocol = dt.protocol()
+        local = "://" not in self.root or self.root.startswith("file://")
+        return local and protocol.min_reader_version == 1 and not protocol.reader_features
 
     def query(self, sql: str, tables: Sequence[str], versions: Mapping[str, int] | None = None) -> pa.Table:
         """Run DataFusion SQL over the named tables (each registered under its own name, at its

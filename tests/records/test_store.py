@@ -283,3 +283,46 @@ def test_a_query_over_a_table_whose_log_does_not_parse_names_it(tmp_path):
         StorageError, match=r"table 'rejects' \(.*rejects\).* is unreadable: its Delta log is corrupt"
     ):
         store.query("SELECT count(*) FROM rejects, trajectories", ["rejects", "trajectories"])
+
+
+def test_the_parquet_files_read_give_the_rows_datafusion_reads_in_every_case(tmp_path):
+    """`read` takes a plain local table's files from its log; DataFusion's scan of the same snapshot is
+    the reference: per round, whole, at a pinned version, after a predicate overwrite, unpartitioned,
+    and once the table needs a newer reader (deletion vectors) through DataFusion itself."""
+    from deltalake import DeltaTable
+
+    from prodrl_pipeline.records.schema import TABLES
+    from prodrl_pipeline.records.store import _as_schema
+
+    store = DeltaStore(tmp_path)
+    for k in (1, 2, 3):
+        store.overwrite_round("calls", [_call(10 * k + i, k, [k, i], [-0.5 * i, -1.0]) for i in range(3)], k)
+    pinned = store.table("calls").version()
+    store.overwrite_round("calls", [_call(99, 2, [7], [-2.0])], 2)
+    store.append("calls", [_call(98, 2, [8, 9], [-0.25, -0.75])])
+    reject = {"table_name": "calls", "round": 1, "record_id": "c1", "reason": "x", "rejected_at": NOW}
+    store.append("rejects", [reject, {**reject, "round": 2, "record_id": "c2"}])
+
+    def rows(table: pa.Table) -> list[dict]:
+        return sorted(
+            table.to_pylist(), key=lambda r: (r["round"], str(r.get("call_id", r.get("record_id"))))
+        )
+
+    def datafusion(table: str, where: str = "", version: int | None = None) -> list[dict]:
+        sql = f"SELECT * FROM {table}{where}"
+        return rows(
+            _as_schema(store.query(sql, [table], {table: version} if version else None), TABLES[table])
+        )
+
+    assert store._plain(store.table("calls"))
+    for k in (1, 2, 3, 4):
+        assert rows(store.read("calls", k)) == datafusion("calls", f" WHERE round = {k}")
+    assert [r["call_id"] for r in rows(store.read("calls", 2))] == ["c98", "c99"]
+    assert rows(store.read("calls")) == datafusion("calls") and len(store.read("calls")) == 8
+    assert rows(store.read("calls", 2, version=pinned)) == datafusion("calls", " WHERE round = 2", pinned)
+    assert rows(store.read("rejects", 1)) == datafusion("rejects", " WHERE round = 1")
+    assert [r["record_id"] for r in store.read("rejects", 1).to_pylist()] == ["c1"]
+
+    DeltaTable(store.uri("calls")).alter.set_table_properties({"delta.enableDeletionVectors": "true"})
+    assert not store._plain(store.table("calls"))  # its files alone may no longer be its rows
+    assert rows(store.read("calls")) == datafusion("calls")
