@@ -7,10 +7,12 @@ QueryBuilder): the one SQL engine of the project.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -35,19 +37,28 @@ def _one_line(error: Exception) -> str:
     return ": ".join(part for line in lines if (part := line.strip().removeprefix("↳").strip()))
 
 
-def _read_files(dt: DeltaTable, round_: int | None) -> list[pa.Table]:
+def _read_files(dt: DeltaTable, round_: int | None) -> list[pa.Table] | None:
     """A reader-protocol-1 snapshot's rows, one table per parquet file its log lists (optionally the
-    files of one round). A partitioned table's files do not hold `round`: each file's value comes
-    from the log (`file_uris` pruned by a partition value is exact)."""
-    if "round" not in dt.metadata().partition_columns:
-        parts = [pq.read_table(uri) for uri in dt.file_uris()]
-        return parts if round_ is None else [p.filter(pc.equal(p["round"], round_)) for p in parts]
-    values = pa.table(dt.get_add_actions(flatten=True))["partition.round"] if round_ is None else [round_]
+    files of one round); None if a file is not in the table's local folder. A partitioned table's
+    `round` is each file's partition value in the log (null included), not a column of the file."""
+    adds = pa.table(dt.get_add_actions(flatten=True))
+    paths = adds["path"].to_pylist()
+    if any("://" in path for path in paths):
+        return None
+    folder = unquote(urlparse(dt.table_uri).path)  # the log's paths are relative and URL-encoded
+    partitioned = "round" in dt.metadata().partition_columns
+    values = adds["partition.round"].to_pylist() if partitioned else [None] * len(paths)
     parts = []
-    for value in sorted(set(values.to_pylist())) if round_ is None else values:
-        for uri in dt.file_uris(file_pruning_predicate=[("round", "=", value)]):
-            part = pq.read_table(uri)
-            parts.append(part.append_column("round", pa.array([value] * part.num_rows, pa.int64())))
+    for path, value in zip(paths, values, strict=True):
+        if partitioned and round_ is not None and value != int(round_):
+            continue
+        part = pq.read_table(os.path.join(folder, unquote(path)))
+        if partitioned:  # another writer may have kept the partition column in its files too
+            part = part.drop_columns([c for c in part.column_names if c == "round"])
+            part = part.append_column("round", pa.array([value] * part.num_rows, pa.int64()))
+        elif round_ is not None:
+            part = part.filter(pc.equal(part["round"], int(round_)))
+        parts.append(part)
     return parts
 
 
@@ -238,7 +249,8 @@ class DeltaStore:
             return TABLES[table].empty_table()
         dt = self._read(table, version)
         with self._reading(table):  # the log's per-file stats are parsed only now
-            parts = _read_files(dt, round_) if self._plain(dt) else [_read_sql(dt, round_)]
+            parts = _read_files(dt, round_) if self._plain(dt) else None
+            parts = [_read_sql(dt, round_)] if parts is None else parts
         schema = TABLES[table]
         return pa.concat_tables([_as_schema(p, schema) for p in parts]) if parts else schema.empty_table()
 

@@ -288,13 +288,14 @@ def test_a_query_over_a_table_whose_log_does_not_parse_names_it(tmp_path):
 def test_the_parquet_files_read_give_the_rows_datafusion_reads_in_every_case(tmp_path):
     """`read` takes a plain local table's files from its log; DataFusion's scan of the same snapshot is
     the reference: per round, whole, at a pinned version, after a predicate overwrite, unpartitioned,
-    and once the table needs a newer reader (deletion vectors) through DataFusion itself."""
+    in a folder whose name the log URL-encodes, and once the table needs a newer reader (deletion
+    vectors) through DataFusion itself."""
     from deltalake import DeltaTable
 
     from prodrl_pipeline.records.schema import TABLES
     from prodrl_pipeline.records.store import _as_schema
 
-    store = DeltaStore(tmp_path)
+    store = DeltaStore(tmp_path / "tables 1 é%")
     for k in (1, 2, 3):
         store.overwrite_round("calls", [_call(10 * k + i, k, [k, i], [-0.5 * i, -1.0]) for i in range(3)], k)
     pinned = store.table("calls").version()
