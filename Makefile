@@ -40,8 +40,10 @@ system-packages:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver; \
 	  else echo "Chromium is missing (Debian's chromium, chromium-driver): the UI test will be skipped"; fi; }
 
+# Two workers, one test file each at a time (a module's fixtures stay on one worker), one torch
+# thread per process (two processes of two threads each on two cores spin against each other).
 test: install system-packages  ## the test suite (slow experiments excluded)
-	$(BIN)/pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -m "not slow" -n 2 --dist loadfile
 
 test-slow: install
 	$(BIN)/pytest -q -m slow

@@ -36,10 +36,27 @@ def tiny_model(tokenizer):
     return build_tiny(tokenizer)
 
 
+SLOWEST_FIRST = (
+    "tests/faults/test_round_faults.py",
+    "tests/test_ui.py",
+    "tests/gateway/test_serving.py",
+    "tests/test_unattended.py",
+    "tests/faults/test_concurrency.py",
+    "tests/test_pipeline.py",
+    "tests/test_bench_smoke.py",
+    "tests/test_replay.py",
+)
+"""The files that take longest (minutes each on 2 cores), run first, longest first: `make test`'s
+two workers take whole files in collection order, so a long file started last would run alone."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA and the `serve` extra; without them they are skipped, not failed."""
+    """The slowest files first (a stable sort: each file's tests keep their order). `gpu` tests
+    need CUDA and the `serve` extra; without them they are skipped, not failed."""
     import importlib.util
 
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     if torch.cuda.is_available() and importlib.util.find_spec("vllm"):
         return
     skip = pytest.mark.skip(reason="needs a CUDA device and vLLM (the `serve` extra)")

@@ -232,19 +232,19 @@ def _print(run: Run, schedule: str) -> None:
         print("  " + ", ".join(f"{k}: {v}" for k, v in row.items()))
 
 
-def test_three_production_rounds_run_by_themselves_and_account_for_every_call(tmp_path):
-    run = run_unattended(tmp_path, rounds=3, **{**TINY, "steps": 2, "batch_size": 4, "gate_margin": 1.0})
-    _account(run, 3)
+def test_two_production_rounds_run_by_themselves_and_account_for_every_call(tmp_path):
+    run = run_unattended(tmp_path, rounds=2, **{**TINY, "steps": 2, "batch_size": 4, "gate_margin": 1.0})
+    _account(run, 2)
     _print(run, "sync")
     served = [r["traffic served by"] for r in run.rows]
-    assert served == ["base", "main-r000001", "main-r000002"]  # live moved each round, the gateway followed
-    assert run.store.live_deployment()["deployment_id"] == "main-r000003"
+    assert served == ["base", "main-r000001"]  # live moved after round 1, the gateway followed
+    assert run.store.live_deployment()["deployment_id"] == "main-r000002"  # and after round 2
     with DagsterInstance.from_config(str(run.instance_home)) as instance:
         runs = instance.get_runs(RunsFilter(job_name="round_job"))
-        assert sorted(r.tags["dagster/partition"] for r in runs) == ["r000001", "r000002", "r000003"]
+        assert sorted(r.tags["dagster/partition"] for r in runs) == ["r000001", "r000002"]
         assert {r.status for r in runs} == {DagsterRunStatus.SUCCESS}
     lags = [r["policy_lag_steps"] for r in run.store.read("train_steps").to_pylist()]
-    assert sorted(lags) == [0, 0, 0, 1, 1, 1]  # synchronous: the traffic's policy is the trained one's parent
+    assert sorted(lags) == [0, 0, 1, 1]  # synchronous: the traffic's policy is the trained one's parent
 
 
 @pytest.mark.slow
