@@ -45,6 +45,9 @@ def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=64, help="trajectories in the minibatch")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--hidden", type=int, default=128, help="the model's width (the lab's: 128; SwiGLU 3x it)"
+    )
     return parser
 
 
@@ -76,7 +79,11 @@ def _chunks_kept() -> Iterator[None]:
 def measure(args: argparse.Namespace) -> list[Ratio]:
     torch.manual_seed(0)
     tok = load_tokenizer("data/tokenizer")
-    model = build_model(TinyQwen3Config(), len(tok), tok.pad_token_id)
+    model = build_model(
+        TinyQwen3Config(hidden_size=args.hidden, intermediate_size=3 * args.hidden),
+        len(tok),
+        tok.pad_token_id,
+    )
     puzzles = list(iter_lab_puzzles("data", "train"))[: args.batch]
     engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id)
     calls = play(engine, tok, puzzles, SamplingParams(), deployment_id="d", round_=1, seed=0).calls
@@ -116,7 +123,8 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             tuple(lean_t / t for t, lean_t in zip(times["trainer"], times["lean"], strict=True)),
             0.90,
             detail=(
-                f"{len(trajectories)} lab trajectories, {len(calls)} calls, {n_tokens} completion tokens, "
+                f"hidden size {args.hidden}, {len(trajectories)} lab trajectories, {len(calls)} calls, "
+                f"{n_tokens} completion tokens, "
                 f"{args.repeats} repeats; lean step {lean_s:.2f} s, trainer step "
                 f"{statistics.median(times['trainer']):.2f} s, pi_k pass "
                 f"{statistics.median(times['pi_k']) / lean_s:.2f} x a lean step; lean step / trainer step "

@@ -7,6 +7,7 @@ QueryBuilder): the one SQL engine of the project.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -17,13 +18,34 @@ from urllib.parse import unquote, urlparse
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+from deltalake import (
+    CommitProperties,
+    DeltaTable,
+    PostCommitHookProperties,
+    QueryBuilder,
+    Transaction,
+    write_deltalake,
+)
 from deltalake.exceptions import CommitFailedError, DeltaError
 
 from prodrl_pipeline.records.schema import TABLES
 
+log = logging.getLogger(__name__)
+
 SAFE_ID = re.compile(r"[A-Za-z0-9_.:-]+")  # ids that may appear inside a SQL predicate
 PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "policy_logprobs", "eval_results"}
+CHECKPOINT_INTERVAL = 10
+"""Commits between the log checkpoints this store writes. Opening a table replays every commit
+since its last checkpoint (~0.5 ms each): a long-lived table taking many small appends (the
+gateway's) opens in a bounded time (deltalake's own default is 100)."""
+TABLE_PROPERTIES = {
+    "delta.checkpointInterval": str(CHECKPOINT_INTERVAL),
+    # never delete commit files on a commit: a pinned version (a replay) stays readable however old
+    "delta.enableExpiredLogCleanup": "false",
+}
+"""Set on every table this store creates, and by `maintain` on older ones."""
+NO_HOOKS = PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False)
+"""A commit writes no checkpoint of its own (`_checkpoint` does, best effort) and deletes no log."""
 
 
 class StorageError(OSError):
@@ -185,9 +207,16 @@ class DeltaStore:
         try:
             target = self.table(table) if self.exists(table) else None
             if target is None:
-                write_deltalake(self.uri(table), data, storage_options=self.storage_options, **kwargs)
+                write_deltalake(
+                    self.uri(table),
+                    data,
+                    storage_options=self.storage_options,
+                    configuration=TABLE_PROPERTIES,
+                    post_commithook_properties=NO_HOOKS,
+                    **kwargs,
+                )
             else:
-                write_deltalake(target, data, **kwargs)
+                write_deltalake(target, data, post_commithook_properties=NO_HOOKS, **kwargs)
         except (CommitFailedError, StorageError):  # a lost race; or the snapshot's read named the table
             raise
         except (DeltaError, OSError) as e:
@@ -197,7 +226,20 @@ class DeltaStore:
                 f"writing {data.num_rows} rows to table {table!r} failed: {_one_line(e)}; the table stays "
                 f"at its last committed version ({self._last_version(table)})"
             ) from e
+        if target is not None:
+            self._checkpoint(table, target)
         self._seen(self.versions_written, table, 0 if target is None else target.version())
+
+    def _checkpoint(self, table: str, dt: DeltaTable) -> None:
+        """After a commit (`dt` at its version): a log checkpoint every CHECKPOINT_INTERVAL versions,
+        best effort. The commit has landed whatever happens here: a checkpoint that cannot be
+        written (no space, storage refused) is logged, never reported as a failed write."""
+        if dt.version() % CHECKPOINT_INTERVAL:
+            return
+        try:
+            dt.create_checkpoint()
+        except (DeltaError, OSError) as e:
+            log.warning("table %r: the log checkpoint at version %d failed: %s", table, dt.version(), e)
 
     def _last_version(self, table: str) -> str:
         """The table's version for an error message; the storage may be what failed."""
@@ -273,6 +315,8 @@ class DeltaStore:
         """Compact small files, vacuum files unreferenced for `retention_hours` (keep it >= the
         replay window: pinned versions older than that can no longer be read) and checkpoint the log."""
         dt = self.table(table)
+        if any(dt.metadata().configuration.get(k) != v for k, v in TABLE_PROPERTIES.items()):
+            dt.alter.set_table_properties(TABLE_PROPERTIES)  # a table created before they were set
         compacted = dt.optimize.compact()
         vacuumed = dt.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False)
         dt.create_checkpoint()
@@ -306,7 +350,9 @@ class DeltaStore:
                 dt.update(
                     updates={"live": f"deployment_id = '{deployment_id}'"},
                     commit_properties=self._commit({"live": deployment_id}),
+                    post_commithook_properties=NO_HOOKS,
                 )
+                self._checkpoint("deployments", dt)
                 self._seen(self.versions_written, "deployments", dt.version())
                 return True
             except CommitFailedError:  # another writer committed since the read

@@ -43,8 +43,10 @@ class LogprobModule(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, seqs: Sequences, chunk_tokens: int, w_hat: dict | None) -> tuple:
-        lp = token_logprobs(self.model, seqs, chunk_tokens, w_hat)
+    def forward(
+        self, seqs: Sequences, chunk_tokens: int, w_hat: dict | None, outputs: frozenset[str]
+    ) -> tuple:
+        lp = token_logprobs(self.model, seqs, chunk_tokens, w_hat, outputs)
         return tuple(getattr(lp, f.name) for f in fields(lp))
 
 
@@ -58,8 +60,10 @@ class DataParallel:
     module: LogprobModule | None = None
     """Set by `shard_model`."""
 
-    def token_logprobs(self, seqs: Sequences, chunk_tokens: int, w_hat: dict | None) -> TokenLogprobs:
-        return TokenLogprobs(*self.module(seqs, chunk_tokens, w_hat))
+    def token_logprobs(
+        self, seqs: Sequences, chunk_tokens: int, w_hat: dict | None, outputs: frozenset[str]
+    ) -> TokenLogprobs:
+        return TokenLogprobs(*self.module(seqs, chunk_tokens, w_hat, outputs))
 
     @classmethod
     def from_environment(cls) -> DataParallel:

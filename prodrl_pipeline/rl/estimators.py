@@ -63,6 +63,16 @@ class EstimatorConfig:
         if self.centering != "head" and self.type != "score_centering":
             raise ValueError("centering applies to type='score_centering' only")
 
+    @property
+    def reads(self) -> frozenset[str]:
+        """The optional trainer log-probs (fields of rl.logprobs.TokenLogprobs) this estimator reads;
+        the trainer computes no others but the entropy it reports."""
+        if self.type == "score_centering":
+            return frozenset(
+                {"extra_logprobs"} if self.centering == "samples" else {"head_logprobs", "tail_logprobs"}
+            )
+        return frozenset({"complement_logprobs"} if self.trust_region else ())
+
 
 @dataclass
 class TokenInputs:

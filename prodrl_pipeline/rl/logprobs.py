@@ -15,6 +15,8 @@ the policy as served: at the recorded temperature, with the recorded logit bias 
   rounds pi_S(a) to 1; no gradient; the trust region's Bernoulli-KL needs it);
 - `full_logprobs`: log pi(a|h) over the whole vocabulary (a diagnostic: log pi_S - log pi = -log pi(S));
 - `entropy`: entropy of pi_S.
+Every field but `logprobs` is computed only when asked for (`outputs`; None otherwise): the round's
+pi_k pass needs none of them, and each estimator reads its own (`EstimatorConfig.reads`).
 """
 
 from __future__ import annotations
@@ -57,57 +59,71 @@ class Sequences:
         return Sequences(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
+PER_POSITION = ("completion_logprobs", "topk_token_ids", "topk_logprobs", "support_size", "support_token_ids")
+"""The columns of a recorded call with one entry per completion position (docs/tables.md)."""
+
+
 def build_sequences(calls: list[dict], pad_id: int) -> Sequences:
-    """Pack recorded calls (rows of the `calls` table) into one padded batch."""
-    width = max(len(c["prompt_token_ids"]) + len(c["completion_token_ids"]) for c in calls)
+    """Pack recorded calls (rows of the `calls` table) into one padded batch: one tensor per column,
+    built from each column's values flattened over the calls (no per-token tensors). Calls pass
+    records.validate first; a call whose per-position columns disagree in length is refused here too
+    (flattened, they would pair one position's head with another's token)."""
+    for c in calls:
+        n = len(c["completion_token_ids"])
+        if any(len(c[k]) != n for k in PER_POSITION) or any(
+            len(h) != len(lp) for h, lp in zip(c["topk_token_ids"], c["topk_logprobs"], strict=True)
+        ):
+            raise ValueError(f"call {c.get('call_id')!r}: its per-position columns disagree in length")
+    prompt_len = torch.tensor([len(c["prompt_token_ids"]) for c in calls])
+    comp_len = torch.tensor([len(c["completion_token_ids"]) for c in calls])
+    width = int((prompt_len + comp_len).max())
     ids = torch.full((len(calls), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(calls), width), dtype=torch.long)
-    rows, pos, toks, temps, support, mu, heads, head_lps, extras, biases = ([] for _ in range(10))
     for n, c in enumerate(calls):
-        prompt, completion = c["prompt_token_ids"], c["completion_token_ids"]
-        seq = list(prompt) + list(completion)
-        ids[n, : len(seq)] = torch.tensor(seq)
-        mask[n, : len(seq)] = 1
-        extra = c.get("extra_token_ids") or [[] for _ in completion]
-        entries = c["sampling"].get("logit_bias")
-        bias = ([e["token_id"] for e in entries], [e["bias"] for e in entries]) if entries else None
-        for t, tok in enumerate(completion):
-            rows.append(n)
-            pos.append(len(prompt) + t - 1)
-            toks.append(tok)
-            temps.append(c["sampling"]["temperature"])
-            support.append(token_support(c, t))
-            mu.append(c["completion_logprobs"][t])
-            heads.append(c["topk_token_ids"][t])
-            head_lps.append(c["topk_logprobs"][t])
-            extras.append(extra[t])
-            biases.append(bias)
-    k = max(len(h) for h in heads)
-    m = min(len(e) for e in extras)
-    if m != max(len(e) for e in extras):
+        seq = torch.tensor([*c["prompt_token_ids"], *c["completion_token_ids"]], dtype=torch.long)
+        ids[n, : len(seq)] = seq
+    mask = (torch.arange(width) < (prompt_len + comp_len)[:, None]).long()
+    rows = torch.repeat_interleave(torch.arange(len(calls)), comp_len)  # [Ntok]
+    first = torch.cumsum(comp_len, 0) - comp_len  # index of each call's first token
+    pos = torch.arange(len(rows)) - first[rows] + prompt_len[rows] - 1
+    heads = [h for c in calls for h in c["topk_token_ids"]]
+    head_ids, head_mask = _ragged(heads, 0, torch.long)
+    head_mu, _ = _ragged([lp for c in calls for lp in c["topk_logprobs"]], float("-inf"), torch.float32)
+    extras = [e for c in calls for e in (c.get("extra_token_ids") or [[] for _ in c["completion_token_ids"]])]
+    extra_ids, extra_mask = _ragged(extras, 0, torch.long)
+    if not bool(extra_mask.all()):
         raise ValueError("calls of one batch recorded different numbers of extra samples")
-    head_ids = torch.zeros((len(heads), k), dtype=torch.long)
-    head_mask = torch.zeros((len(heads), k), dtype=torch.bool)
-    head_mu = torch.full((len(heads), k), float("-inf"))
-    for i, (h, lp) in enumerate(zip(heads, head_lps, strict=True)):
-        head_ids[i, : len(h)] = torch.tensor(h)
-        head_mask[i, : len(h)] = True
-        head_mu[i, : len(h)] = torch.tensor(lp)
+    biases = [_bias(c) for c in calls for _ in c["completion_token_ids"]]
     return Sequences(
         ids,
         mask,
-        torch.tensor(rows),
-        torch.tensor(pos),
-        torch.tensor(toks),
-        torch.tensor(temps, dtype=torch.float32),
-        support,
-        torch.tensor(mu, dtype=torch.float32),
+        rows,
+        pos,
+        torch.tensor([t for c in calls for t in c["completion_token_ids"]], dtype=torch.long),
+        torch.tensor([c["sampling"]["temperature"] for c in calls], dtype=torch.float32)[rows],
+        [token_support(c, t) for c in calls for t in range(len(c["completion_token_ids"]))],
+        torch.tensor([lp for c in calls for lp in c["completion_logprobs"]], dtype=torch.float32),
         head_ids,
         head_mask,
         head_mu,
-        torch.tensor(extras, dtype=torch.long).reshape(len(toks), m),
+        extra_ids,
         biases if any(b is not None for b in biases) else None,
     )
+
+
+def _ragged(lists: list[list], pad: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, max length] right-padded with `pad`, and the mask of real entries."""
+    lengths = torch.tensor([len(x) for x in lists], dtype=torch.long)
+    width = int(lengths.max()) if len(lists) else 0
+    mask = torch.arange(width) < lengths[:, None]
+    out = torch.full((len(lists), width), pad, dtype=dtype)
+    out[mask] = torch.tensor([v for x in lists for v in x], dtype=dtype)
+    return out, mask
+
+
+def _bias(call: dict) -> tuple[list[int], list[float]] | None:
+    """A call's logit bias as (token ids, biases), None without one."""
+    entries = call["sampling"].get("logit_bias")
+    return ([e["token_id"] for e in entries], [e["bias"] for e in entries]) if entries else None
 
 
 def token_support(call: dict, t: int) -> list[int] | None:
@@ -121,13 +137,19 @@ def token_support(call: dict, t: int) -> list[int] | None:
 
 @dataclass
 class TokenLogprobs:
+    """Per completion token; every field but `logprobs` is None unless asked for."""
+
     logprobs: torch.Tensor  # [Ntok] log pi_S(a|h), pi renormalized over the recorded support S
-    head_logprobs: torch.Tensor  # [Ntok, K] log pi_S of mu's recorded head H (padding: anything)
-    tail_logprobs: torch.Tensor  # [Ntok] log pi_S(S minus H), -inf where S is inside H
-    extra_logprobs: torch.Tensor  # [Ntok, M] log pi_S of the deployment's extra samples
-    complement_logprobs: torch.Tensor  # [Ntok] log(1 - pi_S(a)), -inf for a forced token (no gradient)
-    full_logprobs: torch.Tensor  # [Ntok] log pi(a|h) over the vocabulary
-    entropy: torch.Tensor  # [Ntok] entropy of pi_S (no gradient)
+    head_logprobs: torch.Tensor | None  # [Ntok, K] log pi_S of mu's recorded head H (padding: anything)
+    tail_logprobs: torch.Tensor | None  # [Ntok] log pi_S(S minus H), -inf where S is inside H
+    extra_logprobs: torch.Tensor | None  # [Ntok, M] log pi_S of the deployment's extra samples
+    complement_logprobs: torch.Tensor | None  # [Ntok] log(1 - pi_S(a)), -inf if forced (no gradient)
+    full_logprobs: torch.Tensor | None  # [Ntok] log pi(a|h) over the vocabulary
+    entropy: torch.Tensor | None  # [Ntok] entropy of pi_S (no gradient)
+
+
+EVERY_OUTPUT = frozenset(f.name for f in fields(TokenLogprobs)) - {"logprobs"}
+"""The optional fields of TokenLogprobs (each costs at least one more pass over [chunk, V])."""
 
 
 def token_logprobs(
@@ -135,20 +157,28 @@ def token_logprobs(
     seqs: Sequences,
     chunk_tokens: int = 1024,
     w_hat: dict[str, torch.Tensor] | None = None,
+    outputs: frozenset[str] = EVERY_OUTPUT,
 ) -> TokenLogprobs:
     """Gradient flows when called outside `torch.no_grad()`. `w_hat`: forward through these
-    fake-quantized weights (NVFP4 QAT, straight-through gradient)."""
+    fake-quantized weights (NVFP4 QAT, straight-through gradient). `outputs`: the optional fields
+    to compute (the others are None)."""
     hidden = base_forward(model, w_hat, input_ids=seqs.input_ids, attention_mask=seqs.attention_mask)
     h = hidden[seqs.token_row, seqs.token_pos]  # [Ntok, H]
-    return project_logprobs(h, model.get_output_embeddings().weight, seqs, chunk_tokens)
+    return project_logprobs(h, model.get_output_embeddings().weight, seqs, chunk_tokens, outputs)
 
 
 def project_logprobs(
-    h: torch.Tensor, weight: torch.Tensor, seqs: Sequences, chunk_tokens: int
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    seqs: Sequences,
+    chunk_tokens: int,
+    outputs: frozenset[str] = EVERY_OUTPUT,
 ) -> TokenLogprobs:
     """From completion hidden states h [Ntok, H] and the output embedding [V, H]. With gradient,
     each chunk is recomputed in the backward pass (activation checkpointing), so the backward pass
     too holds one [chunk_tokens, V] tensor at a time instead of every chunk's log-softmax."""
+    if unknown := outputs - EVERY_OUTPUT:
+        raise ValueError(f"unknown log-prob outputs {sorted(unknown)}; choose from {sorted(EVERY_OUTPUT)}")
     vocab = weight.shape[0]
     outs = []
     for start in range(0, h.shape[0], chunk_tokens):
@@ -161,14 +191,17 @@ def project_logprobs(
             seqs.head_ids[sl],
             seqs.head_mask[sl],
             seqs.extra_ids[sl],
-            _support_mask(seqs.support[sl], vocab, h.device),
+            _outside_support(seqs.support[sl], vocab, h.device),
             bias_matrix(seqs.bias[sl], vocab).to(h.device) if seqs.bias is not None else None,
+            outputs,
         )
         if torch.is_grad_enabled():
             outs.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
             outs.append(_chunk_logprobs(*args))
-    return TokenLogprobs(*(torch.cat(parts) for parts in zip(*outs, strict=True)))
+    return TokenLogprobs(
+        *(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs, strict=True))
+    )
 
 
 def _chunk_logprobs(
@@ -179,46 +212,66 @@ def _chunk_logprobs(
     head_ids: torch.Tensor,  # [c, K]
     head_mask: torch.Tensor,  # [c, K]
     extra_ids: torch.Tensor,  # [c, M]
-    keep: torch.Tensor | None,  # [c, V] support mask, None = whole vocabulary
+    drop: torch.Tensor | None,  # [c, V] True outside the kept support, None = whole vocabulary
     bias: torch.Tensor | None,  # [c, V] logit bias, None = none
-) -> tuple[torch.Tensor, ...]:
+    outputs: frozenset[str],  # the optional fields wanted
+) -> tuple[torch.Tensor | None, ...]:
+    """The fields of TokenLogprobs, in order, for one chunk (None where not in `outputs`)."""
     logits = h @ weight.T
     if bias is not None:
         logits = logits + bias
     if not bool((temperature == 1).all()):  # dividing by 1 changes no bit: skip the pass
         logits = logits / temperature[:, None]
-    # log pi_S: one log-softmax over the support (pi renormalized over S is the softmax of S's logits)
-    kept = (logits if keep is None else logits.masked_fill(~keep, float("-inf"))).log_softmax(-1)
-    # one gather for the token, the head and the extra samples: one [c, V] scatter in the backward
-    picked = kept.gather(1, torch.cat([token_ids[:, None], head_ids, extra_ids], 1))
-    lp, head, extra = picked[:, 0], picked[:, 1 : 1 + head_ids.shape[1]], picked[:, 1 + head_ids.shape[1] :]
-    if keep is None:
-        full = lp
-    else:
+    full = None
+    if "full_logprobs" in outputs and drop is not None:
         with torch.no_grad():
             full = logits.gather(1, token_ids[:, None]).squeeze(1) - logits.logsumexp(-1)  # [c]
+    if drop is not None:  # in place: the product's backward does not read it
+        logits = logits.masked_fill_(drop, float("-inf"))
+    # log pi_S: one log-softmax over the support (pi renormalized over S is the softmax of S's logits)
+    kept = logits.log_softmax(-1)
+    # one gather for the token, the head and the extra samples: one [c, V] scatter in the backward
+    k = head_ids.shape[1] if "head_logprobs" in outputs else 0
+    m = extra_ids.shape[1] if "extra_logprobs" in outputs else 0
+    picked = kept.gather(1, torch.cat([token_ids[:, None], head_ids[:, :k], extra_ids[:, :m]], 1))
+    lp = picked[:, 0]
+    head = picked[:, 1 : 1 + k] if "head_logprobs" in outputs else None
+    extra = picked[:, 1 + k :] if "extra_logprobs" in outputs else None
+    if "full_logprobs" in outputs and drop is None:
+        full = lp
+    tail = entropy = complement = None
+    if "tail_logprobs" in outputs:
+        tail = _tail(kept, head_ids, head_mask)
+    with torch.no_grad():
+        if "entropy" in outputs:
+            entropy = -kept.exp().mul_(kept).nansum(-1)  # 0 * -inf = nan outside S: dropped
+        if "complement_logprobs" in outputs:
+            complement = kept.scatter(1, token_ids[:, None], float("-inf")).logsumexp(-1)
+    return lp, head, tail, extra, complement, full, entropy
+
+
+def _tail(kept: torch.Tensor, head_ids: torch.Tensor, head_mask: torch.Tensor) -> torch.Tensor:
+    """log pi_S(S minus H) [c] from log pi_S [c, V]: -inf where S fits in the head H."""
     # a padded head entry (id 0) names the row's first entry instead: token 0 stays outside H
     named = torch.where(head_mask, head_ids, head_ids[:, :1])
     outside = kept.scatter(1, named, float("-inf"))  # [c, V]: log pi_S on S minus H
     has_tail = outside.amax(-1) > float("-inf")  # [c]
     if not bool(has_tail.all()):
         # rows without a tail get a finite dummy row, so logsumexp's backward stays finite (nan * 0 = nan)
-        outside = outside.masked_fill(~has_tail[:, None], 0.0)
+        outside = outside.masked_fill_(~has_tail[:, None], 0.0)
     tail = outside.logsumexp(-1)
-    tail = torch.where(has_tail, tail, torch.full_like(tail, float("-inf")))
-    with torch.no_grad():
-        entropy = -(kept.exp() * kept).nansum(-1)  # 0 * -inf = nan outside S: dropped
-        complement = kept.scatter(1, token_ids[:, None], float("-inf")).logsumexp(-1)
-    return lp, head, tail, extra, complement, full, entropy
+    return torch.where(has_tail, tail, torch.full_like(tail, float("-inf")))
 
 
-def _support_mask(support: list[list[int] | None], vocab: int, device: torch.device) -> torch.Tensor | None:
-    """[c, V] True on each token's kept support, None when every support is the vocabulary."""
+def _outside_support(
+    support: list[list[int] | None], vocab: int, device: torch.device
+) -> torch.Tensor | None:
+    """[c, V] True outside each token's kept support, None when every support is the vocabulary."""
     if all(s is None for s in support):
         return None
     restricted = [i for i, s in enumerate(support) if s is not None]
-    keep = torch.ones((len(support), vocab), dtype=torch.bool)
-    keep[restricted] = False
+    drop = torch.zeros((len(support), vocab), dtype=torch.bool)
+    drop[restricted] = True
     rows = torch.tensor([i for i in restricted for _ in support[i]], dtype=torch.long)
-    keep[rows, torch.tensor([t for i in restricted for t in support[i]], dtype=torch.long)] = True
-    return keep.to(device)
+    drop[rows, torch.tensor([t for i in restricted for t in support[i]], dtype=torch.long)] = False
+    return drop.to(device)

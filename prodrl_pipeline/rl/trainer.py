@@ -118,12 +118,18 @@ def _microbatches(calls: list[dict], size: int) -> list[list[dict]]:
 
 
 def _token_logprobs(
-    model: PreTrainedModel, seqs: Sequences, cfg: TrainerConfig, w_hat: dict | None, dp: DataParallel | None
+    model: PreTrainedModel,
+    seqs: Sequences,
+    cfg: TrainerConfig,
+    w_hat: dict | None,
+    dp: DataParallel | None,
+    outputs: frozenset[str],
 ) -> TokenLogprobs:
-    """log pi over the recorded supports, through the sharded policy under data parallelism."""
+    """log pi over the recorded supports (and the optional `outputs`), through the sharded policy
+    under data parallelism."""
     if dp is not None:
-        return dp.token_logprobs(seqs, cfg.logprob_chunk_tokens, w_hat)
-    return token_logprobs(model, seqs, cfg.logprob_chunk_tokens, w_hat)
+        return dp.token_logprobs(seqs, cfg.logprob_chunk_tokens, w_hat, outputs)
+    return token_logprobs(model, seqs, cfg.logprob_chunk_tokens, w_hat, outputs)
 
 
 def _passes(
@@ -155,7 +161,9 @@ def policy_logprobs(
     w_hat = served_weights(model) if fake_quant else None
     device = _device(model)
     for mb, real in _passes(_microbatches(calls, cfg.microbatch_calls), dp, spare):
-        lp = _token_logprobs(model, build_sequences(mb, pad_id).to(device), cfg, w_hat, dp).logprobs
+        lp = _token_logprobs(
+            model, build_sequences(mb, pad_id).to(device), cfg, w_hat, dp, frozenset()
+        ).logprobs
         if real:
             for c, part in zip(mb, lp.split([len(c["completion_token_ids"]) for c in mb]), strict=True):
                 out[c["call_id"]] = part
@@ -224,6 +232,7 @@ def train_round(
         for mb in ordered
     ]
     shares = [dp.share(length) if dp else set(length) for length in lengths]
+    outputs = est.reads | {"entropy"}  # the entropy is reported
     device = _device(model)
     model.eval()  # Qwen3 has no dropout; eval keeps pi_k and pi numerically identical at step 0
     if round_start is None:
@@ -245,7 +254,7 @@ def train_round(
         micros = _microbatches([c for t in adv if t in share for c in by_traj[t]], cfg.microbatch_calls)
         for micro, real in _passes(micros, dp, by_traj[mb[0]["trajectory_id"]]):
             seqs = build_sequences(micro, pad_id).to(device)
-            lp = _token_logprobs(model, seqs, cfg, w_hat, dp)
+            lp = _token_logprobs(model, seqs, cfg, w_hat, dp, outputs)
             owner = [c["trajectory_id"] for c in micro for _ in c["completion_token_ids"]]
             index = {t: i for i, t in enumerate(dict.fromkeys(owner))}
             free = seqs.free

@@ -126,7 +126,8 @@ def _step_loss(
     by_length = sorted(turns, key=lambda t: len(t.prompt_ids) + len(t.completion_ids))
     loss, probs = 0.0, []
     for start in range(0, len(by_length), microbatch):
-        lp = token_logprobs(model, _sequences(by_length[start : start + microbatch], pad_id)).logprobs
+        seqs = _sequences(by_length[start : start + microbatch], pad_id)
+        lp = token_logprobs(model, seqs, outputs=frozenset()).logprobs
         part = -lp.sum() / len(turns)
         part.backward()
         loss += part.item()

@@ -5,7 +5,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from prodrl_pipeline.records.store import DeltaStore
+from prodrl_pipeline.records.store import TABLE_PROPERTIES, DeltaStore
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 
@@ -327,3 +327,43 @@ def test_the_parquet_files_read_give_the_rows_datafusion_reads_in_every_case(tmp
     DeltaTable(store.uri("calls")).alter.set_table_properties({"delta.enableDeletionVectors": "true"})
     assert not store._plain(store.table("calls"))  # its files alone may no longer be its rows
     assert rows(store.read("calls")) == datafusion("calls")
+
+
+def test_a_table_takes_a_log_checkpoint_every_ten_commits_and_reads_the_same_through_it(tmp_path):
+    """A long-lived table (the gateway appends a batch a commit) opens from its last checkpoint, not
+    by replaying every commit; reads, latest and pinned, are unchanged by it, and no commit file is
+    ever deleted (a replay pins old versions)."""
+    store = DeltaStore(tmp_path)
+    for i in range(12):
+        store.append("calls", [_call(i, 1 + i % 2, [i], [-0.5])])
+    log = tmp_path / "calls" / "_delta_log"
+    assert [p.name for p in log.glob("*.checkpoint.parquet")] == ["00000000000000000010.checkpoint.parquet"]
+    assert len(list(log.glob("*.json"))) == 12
+    assert store.table("calls").metadata().configuration == TABLE_PROPERTIES
+    assert sorted(int(r["call_id"][1:]) for r in store.read("calls", 2).to_pylist()) == [1, 3, 5, 7, 9, 11]
+    assert store.read("calls").num_rows == 12 and store.read("calls", version=3).num_rows == 4
+
+
+def test_a_checkpoint_that_cannot_be_written_does_not_fail_the_commit_it_follows(tmp_path, caplog):
+    store = DeltaStore(tmp_path)
+    for i in range(10):
+        store.append("calls", [_call(i, 1, [i], [-0.5])])
+    (tmp_path / "calls" / "_delta_log" / "00000000000000000010.checkpoint.parquet").mkdir()  # unwritable
+    store.append("calls", [_call(10, 1, [10], [-0.5])])  # version 10: its checkpoint fails
+    assert store.table("calls").version() == 10 and store.read("calls").num_rows == 11
+    assert "the log checkpoint at version 10 failed" in caplog.text
+
+
+def test_maintenance_gives_a_table_created_without_them_the_store_s_properties(tmp_path):
+    from deltalake import write_deltalake
+
+    from prodrl_pipeline.records.schema import TABLES
+
+    write_deltalake(
+        tmp_path / "calls", pa.Table.from_pylist([_call(0, 1, [1], [-0.5])], schema=TABLES["calls"])
+    )
+    store = DeltaStore(tmp_path)
+    assert store.table("calls").metadata().configuration == {}
+    store.maintain("calls", retention_hours=1)
+    assert store.table("calls").metadata().configuration == TABLE_PROPERTIES
+    assert store.read("calls").num_rows == 1

@@ -1,7 +1,10 @@
+import math
+
 import pytest
 import torch
 
-from prodrl_pipeline.rl.logprobs import build_sequences, token_logprobs
+from prodrl_pipeline.rl.estimators import EstimatorConfig, TokenInputs, objective
+from prodrl_pipeline.rl.logprobs import EVERY_OUTPUT, build_sequences, token_logprobs, token_support
 
 
 def _naive(model, seqs):
@@ -97,3 +100,112 @@ def test_calls_with_different_numbers_of_extra_samples_are_not_batched(recorded)
     second["extra_token_ids"] = [e[:1] for e in second["extra_token_ids"]]  # one where the rest have two
     with pytest.raises(ValueError, match="^calls of one batch recorded different numbers of extra samples$"):
         build_sequences([first, second], pad_id=0)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        EstimatorConfig(type="reinforce"),
+        EstimatorConfig(type="token_is"),
+        EstimatorConfig(type="token_is", trust_region=True),
+        EstimatorConfig(type="tis_ppo", kl_beta=0.1),
+        EstimatorConfig(type="score_centering"),
+        EstimatorConfig(type="score_centering", truncated_is=True),
+        EstimatorConfig(type="score_centering", centering="samples"),
+    ],
+    ids=lambda c: f"{c.type}-{c.centering}-tr{c.trust_region:d}-tis{c.truncated_is:d}",
+)
+def test_each_estimator_reads_only_the_log_probs_it_declares(cfg, tiny_model, recorded, tokenizer):
+    """Computing only `cfg.reads` gives the objective and gradient of computing every field; a
+    field an estimator reads but does not declare would be None here and fail."""
+    seqs = build_sequences(recorded.calls, tokenizer.pad_token_id)
+    assert cfg.reads <= EVERY_OUTPUT and not ({"full_logprobs", "entropy"} & cfg.reads)
+    results = []
+    for outputs in (EVERY_OUTPUT, cfg.reads):
+        tiny_model.zero_grad(set_to_none=True)
+        lp = token_logprobs(tiny_model, seqs, chunk_tokens=64, outputs=outputs)
+        assert {f for f in EVERY_OUTPUT if getattr(lp, f) is not None} == outputs
+        x = TokenInputs(
+            logprobs=lp.logprobs,
+            deployment_logprobs=seqs.deployment_logprobs,
+            round_start_logprobs=seqs.deployment_logprobs + 0.01,
+            advantages=torch.linspace(-1, 1, len(seqs.token_ids)),
+            trajectory=seqs.token_row,
+            free=seqs.free,
+            head_logprobs=lp.head_logprobs,
+            tail_logprobs=lp.tail_logprobs,
+            head_deployment_logprobs=seqs.head_deployment_logprobs,
+            extra_logprobs=lp.extra_logprobs,
+            complement_logprobs=lp.complement_logprobs,
+        )
+        j, _ = objective(x, cfg)
+        j.sum().backward()
+        results.append((j.detach(), tiny_model.lm_head.weight.grad.clone()))
+    (j_all, g_all), (j_read, g_read) = results
+    assert torch.equal(j_all, j_read) and torch.equal(g_all, g_read)
+    assert g_all.abs().sum() > 0
+
+
+def test_an_unknown_log_prob_output_is_refused(tiny_model, recorded, tokenizer):
+    seqs = build_sequences(recorded.calls[:1], tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match=r"^unknown log-prob outputs \['tail'\]; choose from \['complement"):
+        token_logprobs(tiny_model, seqs, outputs=frozenset({"tail"}))
+
+
+def _packed_token_by_token(calls, pad_id):
+    """build_sequences' fields, one completion token at a time (the reference it is checked against)."""
+    out = {k: [] for k in ("row", "pos", "tok", "temp", "support", "mu", "head", "head_mu", "extra", "bias")}
+    width = max(len(c["prompt_token_ids"]) + len(c["completion_token_ids"]) for c in calls)
+    ids = torch.full((len(calls), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(calls), width), dtype=torch.long)
+    for n, c in enumerate(calls):
+        seq = c["prompt_token_ids"] + c["completion_token_ids"]
+        for i, t in enumerate(seq):
+            ids[n, i], mask[n, i] = t, 1
+        bias = c["sampling"]["logit_bias"]
+        for t, tok in enumerate(c["completion_token_ids"]):
+            out["row"].append(n)
+            out["pos"].append(len(c["prompt_token_ids"]) + t - 1)
+            out["tok"].append(tok)
+            out["temp"].append(c["sampling"]["temperature"])
+            out["support"].append(token_support(c, t))
+            out["mu"].append(c["completion_logprobs"][t])
+            out["head"].append(c["topk_token_ids"][t])
+            out["head_mu"].append(c["topk_logprobs"][t])
+            out["extra"].append(c["extra_token_ids"][t])
+            out["bias"].append(([e["token_id"] for e in bias], [e["bias"] for e in bias]) if bias else None)
+    return ids, mask, out
+
+
+def test_packing_equals_packing_token_by_token(recorded, tokenizer):
+    calls = recorded.calls[:6]
+    calls[1]["sampling"] = {**calls[1]["sampling"], "temperature": 0.7}
+    calls[2]["sampling"] = {**calls[2]["sampling"], "logit_bias": [{"token_id": 5, "bias": -1.5}]}
+    seqs = build_sequences(calls, tokenizer.pad_token_id)
+    ids, mask, ref = _packed_token_by_token(calls, tokenizer.pad_token_id)
+    assert torch.equal(seqs.input_ids, ids) and torch.equal(seqs.attention_mask, mask)
+    assert seqs.token_row.tolist() == ref["row"] and seqs.token_pos.tolist() == ref["pos"]
+    assert seqs.token_ids.tolist() == ref["tok"] and seqs.support == ref["support"]
+    assert torch.equal(seqs.temperature, torch.tensor(ref["temp"], dtype=torch.float32))
+    assert torch.equal(seqs.deployment_logprobs, torch.tensor(ref["mu"], dtype=torch.float32))
+    lengths = {len(h) for h in ref["head"]}
+    assert len(lengths) > 1  # heads of different lengths are padded
+    for i, (head, head_mu) in enumerate(zip(ref["head"], ref["head_mu"], strict=True)):
+        k = len(head)
+        assert seqs.head_ids[i, :k].tolist() == head and seqs.head_mask[i].tolist() == [True] * k + [
+            False
+        ] * (seqs.head_ids.shape[1] - k)
+        assert torch.equal(seqs.head_deployment_logprobs[i, :k], torch.tensor(head_mu, dtype=torch.float32))
+        assert torch.all(seqs.head_ids[i, k:] == 0) and torch.all(
+            seqs.head_deployment_logprobs[i, k:] == -math.inf
+        )
+    assert seqs.extra_ids.tolist() == ref["extra"] and seqs.extra_ids.shape[1] == 2
+    assert seqs.bias == ref["bias"] and any(b is not None for b in ref["bias"])
+
+
+@pytest.mark.parametrize("column", ["completion_logprobs", "topk_logprobs", "support_size"])
+def test_a_call_whose_positions_disagree_in_length_is_not_packed(recorded, column):
+    call = recorded.calls[0]
+    call[column] = call[column][:-1] if column != "topk_logprobs" else [lp[:-1] for lp in call[column]]
+    with pytest.raises(ValueError, match="per-position columns disagree in length$"):
+        build_sequences([recorded.calls[1], call], pad_id=0)
