@@ -226,9 +226,9 @@ class DeltaStore:
                 f"writing {data.num_rows} rows to table {table!r} failed: {_one_line(e)}; the table stays "
                 f"at its last committed version ({self._last_version(table)})"
             ) from e
+        self._seen(self.versions_written, table, 0 if target is None else target.version())
         if target is not None:
             self._checkpoint(table, target)
-        self._seen(self.versions_written, table, 0 if target is None else target.version())
 
     def _checkpoint(self, table: str, dt: DeltaTable) -> None:
         """After a commit (`dt` at its version): a log checkpoint every CHECKPOINT_INTERVAL versions,
@@ -316,8 +316,9 @@ class DeltaStore:
         replay window: pinned versions older than that can no longer be read) and checkpoint the log."""
         dt = self.table(table)
         if any(dt.metadata().configuration.get(k) != v for k, v in TABLE_PROPERTIES.items()):
-            dt.alter.set_table_properties(TABLE_PROPERTIES)  # a table created before they were set
-        compacted = dt.optimize.compact()
+            # a table created before they were set
+            dt.alter.set_table_properties(TABLE_PROPERTIES, post_commithook_properties=NO_HOOKS)
+        compacted = dt.optimize.compact(post_commithook_properties=NO_HOOKS)
         vacuumed = dt.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False)
         dt.create_checkpoint()
         return {
