@@ -42,43 +42,84 @@ def legal_moves_by_text(board: chess.Board) -> dict[str, chess.Move]:
     render it once per position and share it between the prompt, the constraint and the step.
     All moves are rendered in one pass: a move is disambiguated against the other legal moves of
     the same piece type to the same square (by file if that suffices, else by rank, else both),
-    and only the check test plays the move (`board.san` also searches for mate and regenerates
-    the legal moves per move, ~3x the cost; the two agree on every move, tests/envs)."""
+    and the check test reads bitboards (`board.san` also searches for mate and regenerates the
+    legal moves per move, ~3x the cost; the two agree on every move, tests/envs)."""
     moves = list(board.legal_moves)
     rivals: dict[tuple[int, int], list[int]] = defaultdict(list)  # (piece, to) -> from squares
     for m in moves:
         rivals[board.piece_type_at(m.from_square), m.to_square].append(m.from_square)
-    return dict(sorted((_san(board, m, rivals), m) for m in moves))
+    king = board.king(not board.turn)
+    return dict(sorted((_san(board, m, rivals, king), m) for m in moves))
 
 
-def _san(board: chess.Board, move: chess.Move, rivals: dict[tuple[int, int], list[int]]) -> str:
+def _gives_check(board: chess.Board, move: chess.Move, piece: int, king: int) -> bool:
+    """What `board.push(move); board.is_check()` says for a move that is not castling, from the
+    position's bitboards (a quarter of the time): the king on `king` is attacked, through the
+    occupancy after the move, by the moved piece on its new square or by any other piece of ours
+    (a discovered check; en passant also clears the captured pawn's square)."""
+    us = board.turn
+    origin, target = chess.BB_SQUARES[move.from_square], chess.BB_SQUARES[move.to_square]
+    occupied = board.occupied & ~origin | target
+    if piece == chess.PAWN and move.to_square == board.ep_square:
+        occupied &= ~chess.BB_SQUARES[move.to_square ^ 8]  # the pawn taken en passant
+    diagonal = chess.BB_DIAG_ATTACKS[king][chess.BB_DIAG_MASKS[king] & occupied]
+    straight = (
+        chess.BB_RANK_ATTACKS[king][chess.BB_RANK_MASKS[king] & occupied]
+        | chess.BB_FILE_ATTACKS[king][chess.BB_FILE_MASKS[king] & occupied]
+    )
+    pawn, knight, ring = (
+        chess.BB_PAWN_ATTACKS[not us][king],
+        chess.BB_KNIGHT_ATTACKS[king],
+        chess.BB_KING_ATTACKS[king],
+    )
+    reach = {  # piece type: the squares from which it attacks the king
+        chess.PAWN: pawn,
+        chess.KNIGHT: knight,
+        chess.BISHOP: diagonal,
+        chess.ROOK: straight,
+        chess.QUEEN: diagonal | straight,
+        chess.KING: ring,
+    }
+    if reach[move.promotion or piece] & target:
+        return True
+    ours = board.occupied_co[us] & ~origin
+    return bool(
+        (pawn & board.pawns | knight & board.knights | ring & board.kings) & ours
+        or diagonal & (board.bishops | board.queens) & ours
+        or straight & (board.rooks | board.queens) & ours
+    )
+
+
+def _san(
+    board: chess.Board, move: chess.Move, rivals: dict[tuple[int, int], list[int]], king: int | None
+) -> str:
     piece = board.piece_type_at(move.from_square)
     if board.is_castling(move):
         text = "O-O-O" if chess.square_file(move.to_square) < chess.square_file(move.from_square) else "O-O"
+        board.push(move)  # the rook may give the check: played out (rare)
+        check = board.is_check()
+        board.pop()
+        return text + "+" if check else text
+    capture = board.is_capture(move)
+    text = ""
+    if piece == chess.PAWN:
+        if capture:
+            text = chess.FILE_NAMES[chess.square_file(move.from_square)]
     else:
-        capture = board.is_capture(move)
-        text = ""
-        if piece == chess.PAWN:
-            if capture:
-                text = chess.FILE_NAMES[chess.square_file(move.from_square)]
-        else:
-            text = chess.piece_symbol(piece).upper()
-            others = [s for s in rivals[piece, move.to_square] if s != move.from_square]
-            if others:
-                file, rank = chess.square_file(move.from_square), chess.square_rank(move.from_square)
-                if all(chess.square_file(s) != file for s in others):
-                    text += chess.FILE_NAMES[file]
-                elif all(chess.square_rank(s) != rank for s in others):
-                    text += chess.RANK_NAMES[rank]
-                else:
-                    text += chess.FILE_NAMES[file] + chess.RANK_NAMES[rank]
-        text += ("x" if capture else "") + chess.square_name(move.to_square)
-        if move.promotion:
-            text += "=" + chess.piece_symbol(move.promotion).upper()
-    board.push(move)
-    check = board.is_check()
-    board.pop()
-    return text + "+" if check else text
+        text = chess.piece_symbol(piece).upper()
+        others = [s for s in rivals[piece, move.to_square] if s != move.from_square]
+        if others:
+            file, rank = chess.square_file(move.from_square), chess.square_rank(move.from_square)
+            if all(chess.square_file(s) != file for s in others):
+                text += chess.FILE_NAMES[file]
+            elif all(chess.square_rank(s) != rank for s in others):
+                text += chess.RANK_NAMES[rank]
+            else:
+                text += chess.FILE_NAMES[file] + chess.RANK_NAMES[rank]
+    text += ("x" if capture else "") + chess.square_name(move.to_square)
+    if move.promotion:
+        text += "=" + chess.piece_symbol(move.promotion).upper()
+    return text + "+" if king is not None and _gives_check(board, move, piece, king) else text
 
 
 def legal_move_texts(board: chess.Board) -> list[str]:

@@ -110,3 +110,43 @@ def test_legal_moves_are_rendered_as_python_chess_san_with_mate_shown_as_check()
     assert any(t[1] in "12345678" for t in rendered if t[0] in "NRQB"), "by rank"
     assert {"Qh1e4+", "Q4e4+", "Qee4+"} <= set(rendered), "by file and rank, by rank, by file"
     assert any(board.has_legal_en_passant() for board in boards)
+
+
+def _check_kind(board: chess.Board, move: chess.Move) -> str | None:
+    """How `move` checks (None: it does not), decided by playing it."""
+    board.push(move)
+    try:
+        if not board.is_check():
+            return None
+        direct = bool(board.attacks_mask(move.to_square) & chess.BB_SQUARES[board.king(board.turn)])
+    finally:
+        board.pop()
+    if board.is_castling(move):
+        return "castling"
+    if board.is_en_passant(move):
+        return "en passant"
+    if move.promotion:
+        return "promotion"
+    return "direct" if direct else "discovered"
+
+
+def test_check_marks_agree_with_python_chess_on_every_kind_of_check():
+    """SAN's '+' (a bitboard test) against python-chess playing each move, on every position of 40
+    random games and on positions built for the rarer kinds of check."""
+    built = [
+        "5k2/8/8/8/8/8/8/4K2R w K - 0 1",  # O-O+ (the rook checks)
+        "4k3/8/8/8/2pP4/8/8/4K2B b - d3 0 1",  # cxd3 e.p., no check
+        "8/8/8/R2pP2k/8/8/8/4K3 w - d6 0 1",  # exd6+ e.p.: both pawns leave the rank of the rook
+        "7k/8/8/3pP3/8/8/8/B3K3 w - d6 0 1",  # exd6+ and e6+ uncover the bishop
+        "1n2k3/P7/8/8/8/8/8/4K3 w - - 0 1",  # axb8=Q+ and axb8=R+, a8=Q blocked by the knight
+        "4k3/8/4N3/8/8/8/8/4R1K1 w - - 0 1",  # every knight move uncovers the rook
+        "8/8/8/8/8/8/8/k1K5 w - - 0 1",  # kings only
+    ]
+    kinds = set()
+    for board in [*_positions(40, seed=1), *(chess.Board(fen) for fen in built)]:
+        text = {move: t for t, move in legal_moves_by_text(board).items()}
+        for move in board.legal_moves:
+            kind = _check_kind(board, move)
+            kinds.add(kind)
+            assert text[move].endswith("+") == (kind is not None), (board.fen(), move.uci(), kind)
+    assert {"castling", "en passant", "promotion", "direct", "discovered", None} <= kinds
