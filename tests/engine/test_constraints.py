@@ -53,15 +53,24 @@ def test_a_choice_refuses_sequences_it_cannot_tell_apart(sequences, message):
         ChoiceConstraint(sequences)
 
 
-def test_the_prefix_check_agrees_with_comparing_every_pair():
+def test_the_trie_and_its_prefix_check_agree_with_comparing_every_pair():
     rng = random.Random(0)
     for _ in range(500):
         seqs = [[rng.randrange(3) for _ in range(rng.randrange(1, 4))] for _ in range(rng.randrange(1, 6))]
         unique = {tuple(s) for s in seqs}
         prefix = any(a != b and b[: len(a)] == a for a in unique for b in unique)
         try:
-            ChoiceConstraint(seqs)
+            trie = ChoiceConstraint(seqs).root
             refused = False
         except ValueError:
             refused = True
         assert refused == prefix, seqs
+        if not refused:  # the trie holds exactly the sequences, and nothing but token ids
+            assert set(_paths(trie)) == unique, seqs
+
+
+def _paths(node: dict, prefix: tuple = ()) -> list[tuple]:
+    assert all(isinstance(t, int) for t in node)
+    if not node:
+        return [prefix]
+    return [p for tok, child in node.items() for p in _paths(child, (*prefix, tok))]
