@@ -1,3 +1,6 @@
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -48,6 +51,11 @@ SLOWEST_FIRST = (
 )
 """The files that take longest (minutes each on 2 cores), run first, longest first: `make test`'s
 two workers take whole files in collection order, so a long file started last would run alone."""
+
+
+def pytest_configure(config):
+    """Marks of validated puzzle files (envs/puzzles.py) go to this run's folder, not the user's cache."""
+    os.environ.setdefault("PRODRL_CACHE_DIR", tempfile.mkdtemp(prefix="prodrl-test-cache-"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,7 +7,7 @@ import zstandard
 
 from prodrl_pipeline.envs.mates import mates_in_one, unique_mate_in_two
 from prodrl_pipeline.envs.puzzle_gen import SPLITS, balance_kinds, generate, play_game, split_of
-from prodrl_pipeline.envs.puzzles import Puzzle, puzzle_stats, read_puzzles, write_puzzles
+from prodrl_pipeline.envs.puzzles import Puzzle, puzzle_stats, read_puzzles, validated_mark, write_puzzles
 
 # A real row of the Lichess puzzle database (format reference): FEN before the opponent's move.
 LICHESS_ROW = (
@@ -50,6 +50,47 @@ def test_rejects_non_lichess_csv(tmp_path):
         assert "missing columns" in str(e)
     else:
         raise AssertionError("a CSV without Lichess columns must be refused")
+
+
+def test_a_file_read_clean_in_full_is_marked_and_its_bytes_are_not_replayed_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRODRL_CACHE_DIR", str(tmp_path / "cache"))
+    good = tmp_path / "good.csv"
+    good.write_text(LICHESS_ROW)
+    assert read_puzzles(good, limit=1) and not validated_mark(good).exists()  # not read in full
+    assert read_puzzles(good, themes="crushing") and not validated_mark(good).exists()  # some rows only
+    first = read_puzzles(good)
+    assert validated_mark(good).exists() and read_puzzles(good) == first
+    # an illegal line (the rook on e7 blocks e8) under a forged mark is read: the mark, not the
+    # chess, vouches for those bytes
+    illegal = tmp_path / "illegal.csv"
+    illegal.write_text(LICHESS_ROW.replace("f2g3 e6e7", "f2g3 e6e8"))
+    with pytest.raises(ValueError, match="is not legal"):
+        read_puzzles(illegal)
+    assert not validated_mark(illegal).exists()
+    validated_mark(illegal).touch()
+    assert [p.moves[1] for p in read_puzzles(illegal)] == ["e6e8"]
+    # one changed byte is another file: checked again
+    illegal.write_text(LICHESS_ROW.replace("f2g3 e6e7", "f2g3 e6g6"))
+    with pytest.raises(ValueError, match="is not legal"):
+        read_puzzles(illegal)
+    # a file with a malformed row skipped is not marked; what is not chess is checked under a mark
+    skipped: list[str] = []
+    assert read_puzzles(illegal, skipped=skipped) == [] and len(skipped) == 1
+    assert not validated_mark(illegal).exists()
+    bad_count = tmp_path / "count.csv"
+    bad_count.write_text(LICHESS_ROW.replace(",1913,", ",high,"))
+    validated_mark(bad_count).touch()
+    with pytest.raises(ValueError, match="Rating 'high' is not an integer"):
+        read_puzzles(bad_count)
+
+
+def test_an_unwritable_cache_only_costs_the_replay(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("PRODRL_CACHE_DIR", str(blocker))
+    good = tmp_path / "good.csv"
+    good.write_text(LICHESS_ROW)
+    assert read_puzzles(good) == read_puzzles(good) and not validated_mark(good).exists()
 
 
 # ---- generation -------------------------------------------------------------------------------
