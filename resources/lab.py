@@ -147,12 +147,15 @@ class LabResource(ConfigurableResource):
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         """A run's settings, whatever set them (the settings file, the launchpad's run config, the
-        CLI), are checked before its first step. The objects alive by then (the imports of torch,
-        transformers and Dagster: ~0.5M) are moved out of the cyclic garbage collector's reach,
-        once per process: each full collection would walk them again (0.3 s each, 2 cores), and a
-        round's Python work (episodes, constraints, records) triggers many."""
+        CLI), are checked before its first step. Then, once per process (a run's: its steps run in
+        process), what is alive after a full collection (mostly the imports of torch, transformers
+        and Dagster: ~0.5M objects) is moved out of the cyclic garbage collector's reach: every
+        later full collection would walk it again (0.3 s each on 2 cores), and a round's Python
+        work (episodes, constraints, records) triggers many. What the freeze holds is never
+        collected: one snapshot per process, taken when it is smallest."""
         self.check()
         if not gc.get_freeze_count():
+            gc.collect()
             gc.freeze()
 
     def check(self) -> None:

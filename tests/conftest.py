@@ -1,4 +1,5 @@
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -55,7 +56,10 @@ two workers take whole files in collection order, so a long file started last wo
 
 def pytest_configure(config):
     """Marks of validated puzzle files (envs/puzzles.py) go to this run's folder, not the user's cache."""
-    os.environ.setdefault("PRODRL_CACHE_DIR", tempfile.mkdtemp(prefix="prodrl-test-cache-"))
+    if "PRODRL_CACHE_DIR" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="prodrl-test-cache-")
+        os.environ["PRODRL_CACHE_DIR"] = folder
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(config, items):

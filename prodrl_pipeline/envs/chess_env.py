@@ -60,7 +60,7 @@ def _gives_check(board: chess.Board, move: chess.Move, piece: int, king: int) ->
     us = board.turn
     origin, target = chess.BB_SQUARES[move.from_square], chess.BB_SQUARES[move.to_square]
     occupied = board.occupied & ~origin | target
-    if piece == chess.PAWN and move.to_square == board.ep_square:
+    if piece == chess.PAWN and board.is_en_passant(move):
         occupied &= ~chess.BB_SQUARES[move.to_square ^ 8]  # the pawn taken en passant
     diagonal = chess.BB_DIAG_ATTACKS[king][chess.BB_DIAG_MASKS[king] & occupied]
     straight = (
@@ -96,10 +96,7 @@ def _san(
     piece = board.piece_type_at(move.from_square)
     if board.is_castling(move):
         text = "O-O-O" if chess.square_file(move.to_square) < chess.square_file(move.from_square) else "O-O"
-        board.push(move)  # the rook may give the check: played out (rare)
-        check = board.is_check()
-        board.pop()
-        return text + "+" if check else text
+        return text + "+" if _played_checks(board, move) else text
     capture = board.is_capture(move)
     text = ""
     if piece == chess.PAWN:
@@ -119,7 +116,18 @@ def _san(
     text += ("x" if capture else "") + chess.square_name(move.to_square)
     if move.promotion:
         text += "=" + chess.piece_symbol(move.promotion).upper()
+    if board.kings & chess.BB_SQUARES[move.to_square]:  # a king taken: only an invalid board allows it
+        return text + "+" if _played_checks(board, move) else text
     return text + "+" if king is not None and _gives_check(board, move, piece, king) else text
+
+
+def _played_checks(board: chess.Board, move: chess.Move) -> bool:
+    """Whether `move` checks, by playing it: castling (the rook may check), and a move taking a
+    king (the king checked after it is another one, or none)."""
+    board.push(move)
+    check = board.is_check()
+    board.pop()
+    return check
 
 
 def legal_move_texts(board: chess.Board) -> list[str]:

@@ -14,6 +14,7 @@ import io
 import logging
 import math
 import os
+import stat
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -65,13 +66,19 @@ class Puzzle:
         return board
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.suffix == ".zst":
-        import zstandard
+class _Digesting(io.RawIOBase):
+    """A binary file that feeds every byte read from it to `digest`."""
 
-        raw = zstandard.ZstdDecompressor().stream_reader(path.open("rb"))
-        return io.TextIOWrapper(raw, encoding="utf-8", newline="")
-    return path.open(encoding="utf-8", newline="")
+    def __init__(self, raw: io.RawIOBase, digest: hashlib._Hash):
+        self.raw, self.digest = raw, digest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:
+        n = self.raw.readinto(buffer)
+        self.digest.update(memoryview(buffer)[:n])
+        return n
 
 
 def read_puzzles(
@@ -83,15 +90,40 @@ def read_puzzles(
     non-integer count) raises ValueError naming its line, or, with `skipped`, is left out and
     described there ("line N: reason").
 
-    Replaying every row's moves is most of the cost (0.3 ms a row): a file read in full without a
-    malformed row is marked as validated in this user's cache (`validated_mark`), and a later read
-    of the same bytes checks only what is not chess (the id, the move count, the integers)."""
+    Replaying every row's moves is most of the cost (0.3 ms a row). A regular file read in full
+    without a malformed row is marked as validated (`validated_mark`); a later full read of a
+    marked file checks only what is not chess (the id, the move count, the integers), and checks
+    everything again if the bytes it parsed are not the ones marked (the file changed meanwhile)."""
     path = Path(path)
-    mark = validated_mark(path)
-    chess_rules = mark is None or not mark.exists()
+    mark = validated_mark(path) if limit is None else None
+    marked = mark is not None and _is_mark(mark)
+    reasons: list[str] = []
+    out, digest = _read(path, limit, themes, reasons if skipped is not None else None, not marked)
+    if marked and digest != mark.name:
+        reasons.clear()
+        out, digest = _read(path, limit, themes, reasons if skipped is not None else None, True)
+        marked = False
+    if mark is not None and not marked and not reasons and not themes:
+        _write_mark(mark.with_name(digest))  # the bytes checked, whatever the file holds now
+    if skipped is not None:
+        skipped.extend(reasons)
+    return out
+
+
+def _read(
+    path: Path, limit: int | None, themes: str | None, skipped: list[str] | None, chess_rules: bool
+) -> tuple[list[Puzzle], str]:
+    """read_puzzles' rows, and the digest (`validated_mark`'s) of the bytes they were parsed from."""
+    digest = hashlib.sha256(RULES.encode())
     out: list[Puzzle] = []
-    clean = chess_rules and not themes  # every row checked so far, none malformed
-    with _open_text(path) as fh:
+    with path.open("rb", buffering=0) as raw:
+        source = _Digesting(raw, digest)
+        binary: io.IOBase = io.BufferedReader(source)
+        if path.suffix == ".zst":
+            import zstandard
+
+            binary = zstandard.ZstdDecompressor().stream_reader(binary)
+        fh = io.TextIOWrapper(binary, encoding="utf-8", newline="")
         reader = csv.DictReader(fh)
         missing = [c for c in LICHESS_COLUMNS[:3] if c not in (reader.fieldnames or [])]
         if missing:
@@ -100,45 +132,61 @@ def read_puzzles(
             if themes and themes not in (row.get("Themes") or "").split():
                 continue
             try:
-                puzzle = _puzzle(row, chess_rules)
+                out.append(_puzzle(row, chess_rules))
             except ValueError as e:
                 reason = f"line {reader.line_num}: {e}"
                 if skipped is None:
                     raise ValueError(f"{path} {reason}") from e
                 skipped.append(reason)
-                clean = False
                 continue
-            out.append(puzzle)
             if limit is not None and len(out) >= limit:
-                return out  # not read in full: not marked
-    if clean and mark is not None and validated_mark(path) == mark:  # the bytes did not change
-        _write_mark(mark)
-    return out
+                break  # a partial read: its digest is not the file's
+        else:
+            for _ in iter(lambda: source.read(1 << 20), b""):  # what the parser left unread
+                pass
+    return out, digest.hexdigest()
 
 
 def validated_mark(path: Path) -> Path | None:
     """The file whose existence says that `path`'s exact bytes passed every check: named by the
-    sha256 of the rules and the bytes, in `$PRODRL_CACHE_DIR` or `~/.cache/prodrl` (a folder of
-    this user's, not the data's: a shipped data folder cannot vouch for itself). None when the
-    file cannot be read for its digest (the read that follows says why)."""
-    digest = hashlib.sha256(RULES.encode())
+    sha256 of the rules and the bytes, in `$PRODRL_CACHE_DIR` or `~/.cache/prodrl`, under
+    `validated-puzzles`: a folder of this user's that no one else may write (not the data's: a
+    shipped data folder cannot vouch for itself). None for what is not a regular file (a pipe
+    is read once), or when there is no such folder to use (every read then checks in full)."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            return None
+        root = os.environ.get("PRODRL_CACHE_DIR") or Path(
+            os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "prodrl"
+        )
+        folder = Path(root, "validated-puzzles")
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        owner = folder.stat()
+        digest = hashlib.sha256(RULES.encode())
         with path.open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)
-    except OSError:
+    except (OSError, RuntimeError) as e:  # RuntimeError: no home folder to be found
+        log.debug("puzzles: no validated mark for %s (%s)", path, e)
         return None
-    cache = os.environ.get("PRODRL_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "prodrl"
-    )
-    return Path(cache, "validated-puzzles", digest.hexdigest())
+    if owner.st_uid != os.geteuid() or owner.st_mode & 0o022:
+        log.warning("puzzles: %s is not this user's alone; its marks are not trusted", folder)
+        return None
+    return folder / digest.hexdigest()
+
+
+def _is_mark(mark: Path) -> bool:
+    try:
+        found = mark.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(found.st_mode) and found.st_uid == os.geteuid()
 
 
 def _write_mark(mark: Path) -> None:
     try:
-        mark.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        mark.touch()
-    except OSError as e:  # a read-only home: every read checks in full, nothing else changes
+        os.close(os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+    except OSError as e:  # a read-only cache: every read checks in full, nothing else changes
         log.debug("puzzles: cannot write the validated mark %s (%s)", mark, e)
 
 

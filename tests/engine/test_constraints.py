@@ -60,7 +60,7 @@ def test_the_trie_and_its_prefix_check_agree_with_comparing_every_pair():
         unique = {tuple(s) for s in seqs}
         prefix = any(a != b and b[: len(a)] == a for a in unique for b in unique)
         try:
-            trie = ChoiceConstraint(seqs).root
+            trie = ChoiceConstraint([torch.tensor(s, dtype=torch.long) for s in seqs]).root
             refused = False
         except ValueError:
             refused = True
@@ -70,7 +70,7 @@ def test_the_trie_and_its_prefix_check_agree_with_comparing_every_pair():
 
 
 def _paths(node: dict, prefix: tuple = ()) -> list[tuple]:
-    assert all(isinstance(t, int) for t in node)
+    assert all(type(t) is int for t in node)  # plain ints, whatever the ids came as
     if not node:
         return [prefix]
     return [p for tok, child in node.items() for p in _paths(child, (*prefix, tok))]

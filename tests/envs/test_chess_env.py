@@ -141,6 +141,11 @@ def test_check_marks_agree_with_python_chess_on_every_kind_of_check():
         "1n2k3/P7/8/8/8/8/8/4K3 w - - 0 1",  # axb8=Q+ and axb8=R+, a8=Q blocked by the knight
         "4k3/8/4N3/8/8/8/8/4R1K1 w - - 0 1",  # every knight move uncovers the rook
         "8/8/8/8/8/8/8/k1K5 w - - 0 1",  # kings only
+        # boards python-chess (and a puzzle file) accepts though no game reaches them:
+        "4k3/8/8/8/B7/8/4R3/K7 w - - 0 1",  # the king to be taken is in check: Rxe8, Bxe8
+        "8/8/3n4/R2bP2k/8/8/8/K7 w - d6 0 1",  # an en passant square with a knight on it
+        "8/8/8/8/R2n3k/8/3P4/K7 w - d3 0 1",  # an en passant square for the side to move
+        "k3k3/8/8/8/8/8/4R3/K7 w - - 0 1",  # two kings: Rxe8 takes one and checks the other
     ]
     kinds = set()
     for board in [*_positions(40, seed=1), *(chess.Board(fen) for fen in built)]:

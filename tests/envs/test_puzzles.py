@@ -1,5 +1,7 @@
 import math
+import os
 import random
+from pathlib import Path
 
 import chess
 import pytest
@@ -84,13 +86,69 @@ def test_a_file_read_clean_in_full_is_marked_and_its_bytes_are_not_replayed_agai
         read_puzzles(bad_count)
 
 
-def test_an_unwritable_cache_only_costs_the_replay(tmp_path, monkeypatch):
+def test_bytes_that_changed_after_the_mark_was_looked_up_are_checked_again(tmp_path, monkeypatch):
+    """The file is rewritten between the mark's lookup and the parse (simulated: the lookup is
+    handed the mark of the clean bytes): the digest of what was parsed differs, so it is read again
+    with the chess checks; the clean bytes' mark is not taken for the new ones."""
+    import prodrl_pipeline.envs.puzzles as puzzles
+
+    monkeypatch.setenv("PRODRL_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "puzzles.csv"
+    path.write_text(LICHESS_ROW)
+    read_puzzles(path)
+    clean_mark = validated_mark(path)
+    assert clean_mark.exists()
+    path.write_text(LICHESS_ROW.replace("f2g3 e6e7", "f2g3 e6e8"))
+    monkeypatch.setattr(puzzles, "validated_mark", lambda _: clean_mark)
+    with pytest.raises(ValueError, match="is not legal"):
+        read_puzzles(path)
+    skipped: list[str] = []
+    assert read_puzzles(path, skipped=skipped) == [] and len(skipped) == 1  # reported once
+
+
+def test_marks_only_count_in_a_folder_of_this_users_alone_and_as_plain_files(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PRODRL_CACHE_DIR", str(cache))
+    illegal = tmp_path / "illegal.csv"
+    illegal.write_text(LICHESS_ROW.replace("f2g3 e6e7", "f2g3 e6e8"))
+    mark = validated_mark(illegal)
+    target = tmp_path / "elsewhere"
+    target.touch()
+    mark.symlink_to(target)  # a planted link is not a mark
+    with pytest.raises(ValueError, match="is not legal"):
+        read_puzzles(illegal)
+    mark.unlink()
+    mark.touch()
+    (cache / "validated-puzzles").chmod(0o777)  # others may write there: its marks vouch for nothing
+    assert validated_mark(illegal) is None
+    with pytest.raises(ValueError, match="is not legal"):
+        read_puzzles(illegal)
+
+
+def test_without_a_usable_cache_or_a_regular_file_every_read_checks_in_full(tmp_path, monkeypatch):
+    import threading
+
+    good = tmp_path / "good.csv"
+    good.write_text(LICHESS_ROW)
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setenv("PRODRL_CACHE_DIR", str(blocker))
-    good = tmp_path / "good.csv"
-    good.write_text(LICHESS_ROW)
-    assert read_puzzles(good) == read_puzzles(good) and not validated_mark(good).exists()
+    assert validated_mark(good) is None and read_puzzles(good) == read_puzzles(good)
+    monkeypatch.setenv("PRODRL_CACHE_DIR", str(tmp_path / "cache"))
+    pipe = tmp_path / "pipe.csv"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=pipe.write_text, args=(LICHESS_ROW,))
+    writer.start()
+    assert [p.puzzle_id for p in read_puzzles(pipe)] == ["00008"]  # read once, not drained by a digest
+    writer.join()
+    monkeypatch.delenv("PRODRL_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert validated_mark(good) is None and len(read_puzzles(good)) == 1
 
 
 # ---- generation -------------------------------------------------------------------------------
