@@ -82,7 +82,7 @@ def _gives_check(board: chess.Board, move: chess.Move, piece: int, king: int) ->
     }
     if reach[move.promotion or piece] & target:
         return True
-    ours = board.occupied_co[us] & ~origin
+    ours = board.occupied_co[us] & occupied  # not the origin, nor a pawn taken en passant
     return bool(
         (pawn & board.pawns | knight & board.knights | ring & board.kings) & ours
         or diagonal & (board.bishops | board.queens) & ours

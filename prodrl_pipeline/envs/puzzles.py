@@ -103,7 +103,7 @@ def read_puzzles(
         reasons.clear()
         out, digest = _read(path, limit, themes, reasons if skipped is not None else None, True)
         marked = False
-    if mark is not None and not marked and not reasons and not themes:
+    if mark is not None and digest is not None and not marked and not reasons and not themes:
         _write_mark(mark.with_name(digest))  # the bytes checked, whatever the file holds now
     if skipped is not None:
         skipped.extend(reasons)
@@ -112,13 +112,13 @@ def read_puzzles(
 
 def _read(
     path: Path, limit: int | None, themes: str | None, skipped: list[str] | None, chess_rules: bool
-) -> tuple[list[Puzzle], str]:
-    """read_puzzles' rows, and the digest (`validated_mark`'s) of the bytes they were parsed from."""
+) -> tuple[list[Puzzle], str | None]:
+    """read_puzzles' rows, and the digest (`validated_mark`'s) of the bytes they were parsed from
+    (None for a read stopped by `limit`)."""
     digest = hashlib.sha256(RULES.encode())
     out: list[Puzzle] = []
     with path.open("rb", buffering=0) as raw:
-        source = _Digesting(raw, digest)
-        binary: io.IOBase = io.BufferedReader(source)
+        binary: io.IOBase = io.BufferedReader(_Digesting(raw, digest))
         if path.suffix == ".zst":
             import zstandard
 
@@ -140,11 +140,8 @@ def _read(
                 skipped.append(reason)
                 continue
             if limit is not None and len(out) >= limit:
-                break  # a partial read: its digest is not the file's
-        else:
-            for _ in iter(lambda: source.read(1 << 20), b""):  # what the parser left unread
-                pass
-    return out, digest.hexdigest()
+                return out, None  # a partial read: no digest of the file
+    return out, digest.hexdigest()  # of what the parser read, not of bytes added after its end
 
 
 def validated_mark(path: Path) -> Path | None:

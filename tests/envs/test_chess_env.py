@@ -146,6 +146,7 @@ def test_check_marks_agree_with_python_chess_on_every_kind_of_check():
         "8/8/3n4/R2bP2k/8/8/8/K7 w - d6 0 1",  # an en passant square with a knight on it
         "8/8/8/8/R2n3k/8/3P4/K7 w - d3 0 1",  # an en passant square for the side to move
         "k3k3/8/8/8/8/8/4R3/K7 w - - 0 1",  # two kings: Rxe8 takes one and checks the other
+        "3P4/8/1k6/R1PP4/Rq2n3/2q5/2krP3/B1Q5 w - c6 0 1",  # dxc6 e.p. takes our own pawn on c5
     ]
     kinds = set()
     for board in [*_positions(40, seed=1), *(chess.Board(fen) for fen in built)]:

@@ -106,6 +106,49 @@ def test_bytes_that_changed_after_the_mark_was_looked_up_are_checked_again(tmp_p
     assert read_puzzles(path, skipped=skipped) == [] and len(skipped) == 1  # reported once
 
 
+def test_rows_added_after_the_parser_reached_the_end_are_not_marked_with_it(tmp_path, monkeypatch):
+    """The file grows after the parser's last row (simulated: the reader appends an illegal row
+    when it runs out): what was checked is not the whole file, so nothing is marked."""
+    import csv
+
+    import prodrl_pipeline.envs.puzzles as puzzles
+
+    monkeypatch.setenv("PRODRL_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "puzzles.csv"
+    path.write_text(LICHESS_ROW)
+    appended = LICHESS_ROW.splitlines()[1].replace("00008", "00009").replace("f2g3 e6e7", "f2g3 e6e8")
+
+    class Appending(csv.DictReader):
+        def __next__(self):
+            try:
+                return super().__next__()
+            except StopIteration:
+                with path.open("a") as fh:
+                    fh.write(appended + "\n")
+                raise
+
+    monkeypatch.setattr(puzzles.csv, "DictReader", Appending)
+    assert [p.puzzle_id for p in read_puzzles(path)] == ["00008"]
+    monkeypatch.undo()
+    monkeypatch.setenv("PRODRL_CACHE_DIR", str(tmp_path / "cache"))
+    assert not validated_mark(path).exists()
+    with pytest.raises(ValueError, match="line 3: move 'e6e8' is not legal"):
+        read_puzzles(path)
+
+
+def test_compressed_files_are_marked_and_a_planted_link_is_not_followed(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRODRL_CACHE_DIR", str(tmp_path / "cache"))
+    packed = tmp_path / "lichess_db_puzzle.csv.zst"
+    packed.write_bytes(zstandard.ZstdCompressor().compress(LICHESS_ROW.encode()))
+    first = read_puzzles(packed)
+    assert validated_mark(packed).exists() and read_puzzles(packed) == first
+    plain = tmp_path / "plain.csv"
+    plain.write_text(LICHESS_ROW)
+    outside = tmp_path / "outside"
+    validated_mark(plain).symlink_to(outside)  # writing the mark must not create this file
+    assert read_puzzles(plain) == first and not outside.exists()
+
+
 def test_marks_only_count_in_a_folder_of_this_users_alone_and_as_plain_files(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("PRODRL_CACHE_DIR", str(cache))
