@@ -379,3 +379,32 @@ def test_each_step_reports_its_row_exactly_and_hands_it_to_progress(tiny_model, 
     assert [r["policy_lag_steps"] for r in rows] == [2, 3]  # behind the checkpoint at step 3
     assert [r["lr"] for r in rows] == [cfg.lr_at(6), cfg.lr_at(7)] == [6e-4, 7e-4]
     assert opt.param_groups[0]["lr"] == rows[-1]["lr"]
+
+
+@pytest.mark.parametrize(
+    ("estimator", "reads"),
+    [
+        (EstimatorConfig(type="reinforce"), set()),
+        (EstimatorConfig(), {"head_logprobs", "tail_logprobs"}),
+        (EstimatorConfig(centering="samples"), {"extra_logprobs"}),
+        (EstimatorConfig(type="token_is", trust_region=True), {"complement_logprobs"}),
+    ],
+)
+def test_each_pass_computes_only_the_log_probs_it_reads(tiny_model, recorded, monkeypatch, estimator, reads):
+    """The pi_k pass asks for no optional output, each step for what its estimator reads and the
+    entropy it reports (each output is at least one more pass over [tokens, V])."""
+    import prodrl_pipeline.rl.trainer as trainer
+
+    asked = []
+
+    def recording(model, seqs, chunk_tokens, w_hat, outputs):  # the trainer's own token_logprobs
+        asked.append(set(outputs))
+        return token_logprobs(model, seqs, chunk_tokens, w_hat, outputs)
+
+    monkeypatch.setattr(trainer, "token_logprobs", recording)
+    cfg = TrainerConfig(steps=1, batch_size=4, estimator=estimator)
+    model = copy.deepcopy(tiny_model)
+    train_round(model, make_optimizer(model, cfg, None), recorded.calls, _advantages(recorded, 4)[:4], cfg, 0)
+    passes = len(asked) // 2  # as many microbatches in the pi_k pass as in the one step
+    assert asked == [set()] * passes + [reads | {"entropy"}] * passes and passes >= 1
+    assert estimator.reads == reads
