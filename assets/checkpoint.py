@@ -3,7 +3,6 @@
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from dagster import (
     AssetExecutionContext,
     BackfillPolicy,
@@ -20,7 +19,15 @@ from assets.torchrun import train_with_torchrun
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup, register_checkpoint, round_id
 from prodrl_pipeline.rl.checkpoint import LINEAGE_KEYS, load_checkpoint, save_checkpoint
-from prodrl_pipeline.rl.resume import clear_state, data_digest, load_state, save_state
+from prodrl_pipeline.rl.recorded import RecordedCalls, trained_calls
+from prodrl_pipeline.rl.resume import (
+    clear_state,
+    data_digest,
+    load_state,
+    logprobs_table,
+    save_state,
+    stored_logprobs,
+)
 from prodrl_pipeline.rl.retokenize import retokenize_calls
 from prodrl_pipeline.rl.trainer import make_optimizer, policy_logprobs, train_round
 from prodrl_pipeline.rounds import parent_checkpoint
@@ -223,12 +230,14 @@ def _train_in_process(
     optimizer = make_optimizer(model, cfg, optimizer_state)
     pad = lab.tokenizer().pad_token_id
     adv = tables.read("advantages", k).to_pylist()
-    trained = set(a["trajectory_id"] for a in adv)
-    calls = [c for c in tables.read("calls", k).to_pylist() if c["trajectory_id"] in trained]
+    stored_calls = trained_calls(tables.read("calls", k), adv)
     retokenized: dict = {}
     if cfg.tokens == "retokenized":
-        calls, retokenized = retokenize_calls(calls, lab.tokenizer())
+        rows, retokenized = retokenize_calls(stored_calls.to_pylist(), lab.tokenizer())
+        calls = RecordedCalls.from_rows(rows)
         context.log.info(f"round {k}: trains on retokenized calls: {retokenized}")
+    else:
+        calls = RecordedCalls.from_arrow(stored_calls)
     weights = Path(parent_path, "model.safetensors").stat()
     fingerprint = {  # what the round trains from: its parent (this very file: a re-trained parent is
         "parent_id": meta["parent_id"],  # rewritten at the same path), its config, its data (not
@@ -237,24 +246,19 @@ def _train_in_process(
         "data": data_digest(calls, adv),  # re-run rewrites the same advantages as a new version)
     }
     state = load_state(partial, fingerprint)
-    stored = {
-        r["call_id"]: r
-        for r in tables.read("policy_logprobs", k).to_pylist()
-        if r["experiment"] == lab.experiment
-    }
-    if state is not None and not all(c["call_id"] in stored for c in calls):
-        state = None  # pi_k was not kept (another trainer ran the round since): start over
     if state is not None:  # pi_k and the reference as stored before the first step
-        model.load_state_dict(state.model)
-        optimizer.load_state_dict(state.optimizer)
-        round_start = {
-            c["call_id"]: torch.tensor(stored[c["call_id"]]["round_start_logprobs"]) for c in calls
-        }
+        stored = tables.read("policy_logprobs", k)
+        round_start = stored_logprobs(stored, lab.experiment, "round_start_logprobs")
         reference = (
-            {c["call_id"]: torch.tensor(stored[c["call_id"]]["reference_logprobs"]) for c in calls}
+            stored_logprobs(stored, lab.experiment, "reference_logprobs")
             if reference_path is not None
             else None
         )
+        if not all(c in round_start for c in calls.call_id):
+            state = None  # pi_k was not kept (another trainer ran the round since): start over
+    if state is not None:
+        model.load_state_dict(state.model)
+        optimizer.load_state_dict(state.optimizer)
         context.log.info(f"round {k}: resumed after {state.cursor} of {cfg.steps} steps")
     else:
         clear_state(partial)  # pi_k is rewritten below: no older state may resume against it
@@ -266,16 +270,7 @@ def _train_in_process(
         )
         tables.overwrite(
             "policy_logprobs",
-            [
-                {
-                    "call_id": c["call_id"],
-                    "round": k,
-                    "experiment": lab.experiment,
-                    "round_start_logprobs": round_start[c["call_id"]].tolist(),
-                    "reference_logprobs": reference[c["call_id"]].tolist() if reference else None,
-                }
-                for c in calls
-            ],
+            logprobs_table(calls.call_id, round_start, reference, k, lab.experiment),
             f"round = {k} AND experiment = '{lab.experiment}'",
         )
     done = state.rows if state is not None else []

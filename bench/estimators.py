@@ -23,6 +23,7 @@ from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 from prodrl_pipeline.rl.estimators import EstimatorConfig
+from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, policy_logprobs, train_round
 
 ESTIMATORS = {
@@ -74,7 +75,7 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         }
         for i, t in enumerate(rollouts.trajectories)
     ]
-    calls = rollouts.calls
+    calls = RecordedCalls.from_rows(rollouts.calls)
     times: dict[str, list[float]] = {name: [] for name in ESTIMATORS}
     for _ in range(args.repeats):
         for name, est in ESTIMATORS.items():
@@ -90,7 +91,7 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["reinforce"])
     relative = ", ".join(f"{name} {statistics.median(ts) / base:.2f}" for name, ts in times.items())
-    n_tokens = sum(len(c["completion_token_ids"]) for c in calls)
+    n_tokens = int(calls.completion.lengths.sum())
     m = args.extra_samples
     return [
         Ratio(

@@ -30,13 +30,14 @@ import torch
 
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
+from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
 
 REPO = Path(__file__).resolve().parent.parent
 PUZZLES, STEPS, BATCH = 64, 2, 32
 
 
-def _train(parent: Path, calls: list[dict], adv: list[dict], cfg: TrainerConfig, pad: int) -> tuple:
+def _train(parent: Path, calls: RecordedCalls, adv: list[dict], cfg: TrainerConfig, pad: int) -> tuple:
     model, state, meta = load_checkpoint(parent)
     model.to(cfg.device)
     opt = make_optimizer(model, cfg, state)
@@ -87,7 +88,7 @@ def check(root: Path) -> dict:
     """Train the recorded round on the CPU, the GPU and with FSDP2 over NCCL; compare."""
     assert torch.cuda.is_available(), "the GPU check needs CUDA"
     store = DeltaStore(root / "tables")
-    calls, adv = store.read("calls", 1).to_pylist(), store.read("advantages", 1).to_pylist()
+    calls, adv = RecordedCalls.from_arrow(store.read("calls", 1)), store.read("advantages", 1).to_pylist()
     model, _, _ = load_checkpoint(root / "parent")
     pad = model.config.pad_token_id
     cfg = TrainerConfig(steps=STEPS, batch_size=BATCH, lr=1e-3, warmup_steps=0)
@@ -96,7 +97,7 @@ def check(root: Path) -> dict:
         "torch": torch.__version__,
         "gpus": torch.cuda.device_count(),
         "calls": len(calls),
-        "completion_tokens": sum(len(c["completion_token_ids"]) for c in calls),
+        "completion_tokens": int(calls.completion.lengths.sum()),
     }
     cpu, cpu_rows, cpu_s = _train(root / "parent", calls, adv, cfg, pad)
     gpu_cfg = TrainerConfig(**{**asdict(cfg), "estimator": cfg.estimator, "device": "cuda"})

@@ -16,6 +16,7 @@ import sys
 import torch
 
 from bench.ratios import Ratio, report
+from prodrl_pipeline.rl.recorded import RecordedCalls
 
 
 def _rss_kb(field: str) -> int:
@@ -36,6 +37,9 @@ def _run(variant: str, tokens: int, vocab: int, hidden: int, chunk: int) -> None
     g = torch.Generator().manual_seed(0)
     calls = [
         {
+            "call_id": f"c{i}",
+            "trajectory_id": f"t{i}",
+            "call_index": 0,
             "prompt_token_ids": torch.randint(1, vocab, (32,), generator=g).tolist(),
             "completion_token_ids": torch.randint(1, vocab, (length,), generator=g).tolist(),
             "completion_logprobs": [-1.0] * length,
@@ -46,9 +50,9 @@ def _run(variant: str, tokens: int, vocab: int, hidden: int, chunk: int) -> None
             "vocab_size": vocab,
             "sampling": {"temperature": 1.0},
         }
-        for _ in range(n_calls)
+        for i in range(n_calls)
     ]
-    seqs = build_sequences(calls, 0)
+    seqs = build_sequences(RecordedCalls.from_rows(calls), 0)
     with torch.no_grad():  # the trunk is the same for both variants: measure the vocabulary part only
         hidden = model.base_model(
             input_ids=seqs.input_ids, attention_mask=seqs.attention_mask

@@ -28,6 +28,7 @@ from prodrl_pipeline.envs.chat import load_tokenizer, render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.model import TinyQwen3Config, build_model
+from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
 
 SIZES = {  # variable: (engine sizes, trainer sizes); the middle one is the default of the others
@@ -68,11 +69,12 @@ def _synthetic_calls(n: int, length: int, k: int, vocab: int, seed: int) -> list
 def _round(at: dict[str, int], vocab: int, pad_id: int, seed: int) -> Callable[[], object]:
     """A round of S steps of B synthetic calls each, on its own weights and optimizer (each call
     continues from the last: the cost does not depend on the weights)."""
-    calls = _synthetic_calls(at["B"] * at["S"], at["L"], at["K"], vocab, seed)
+    rows = _synthetic_calls(at["B"] * at["S"], at["L"], at["K"], vocab, seed)
     advantages = [
         {"trajectory_id": c["trajectory_id"], "minibatch": i // at["B"], "reward": 0.0, "advantage": 1.0}
-        for i, c in enumerate(calls)
+        for i, c in enumerate(rows)
     ]
+    calls = RecordedCalls.from_rows(rows)
     cfg = TrainerConfig(steps=at["S"], batch_size=at["B"], warmup_steps=0)
     model = build_model(TinyQwen3Config(), vocab, pad_id)
     optimizer = make_optimizer(model, cfg, None)

@@ -32,6 +32,7 @@ from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 from prodrl_pipeline.rl.logprobs import Sequences, build_sequences
+from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import (
     TrainerConfig,
     _microbatches,
@@ -95,11 +96,17 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
     cfg = TrainerConfig(steps=1, batch_size=args.batch, warmup_steps=0)
     trained, lean = model, copy.deepcopy(model)
     trainer_opt, lean_opt = make_optimizer(trained, cfg, None), make_optimizer(lean, cfg, None)
-    micros = [build_sequences(mb, tok.pad_token_id) for mb in _microbatches(calls, cfg.microbatch_calls)]
-    round_start = policy_logprobs(trained, calls, cfg, tok.pad_token_id, fake_quant=False)
+    recorded = RecordedCalls.from_rows(calls)  # a round reads its calls once, for all its steps
+    micros = [
+        build_sequences(recorded.take(mb), tok.pad_token_id)
+        for mb in _microbatches(recorded, cfg.microbatch_calls)
+    ]
+    round_start = policy_logprobs(trained, recorded, cfg, tok.pad_token_id, fake_quant=False)
 
     def step() -> None:
-        train_round(trained, trainer_opt, calls, advantages, cfg, tok.pad_token_id, round_start=round_start)
+        train_round(
+            trained, trainer_opt, recorded, advantages, cfg, tok.pad_token_id, round_start=round_start
+        )
 
     def step_chunks_kept() -> None:
         with _chunks_kept():
@@ -110,7 +117,7 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             "trainer": step,
             "chunks kept": step_chunks_kept,
             "lean": lambda: lean_step(lean, lean_opt, micros),
-            "pi_k": lambda: policy_logprobs(trained, calls, cfg, tok.pad_token_id, fake_quant=False),
+            "pi_k": lambda: policy_logprobs(trained, recorded, cfg, tok.pad_token_id, fake_quant=False),
         },
         args.repeats,
     )

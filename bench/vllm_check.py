@@ -29,6 +29,7 @@ from prodrl_pipeline.gateway.process import GatewayProcess, free_port, live_root
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.logprobs import build_sequences, token_logprobs
+from prodrl_pipeline.rl.recorded import RecordedCalls
 
 
 def main() -> None:
@@ -67,7 +68,7 @@ def main() -> None:
             overhead = _recording_overhead(server.url, [c["prompt_token_ids"] for c in calls[:32]])
         finally:
             server.stop()
-        seqs = build_sequences(calls, tok.pad_token_id)
+        seqs = build_sequences(RecordedCalls.from_rows(calls), tok.pad_token_id)
         with torch.no_grad():
             trainer = token_logprobs(model.float(), seqs).logprobs
         gap = (trainer - seqs.deployment_logprobs)[seqs.free].abs()

@@ -112,7 +112,7 @@ def call_problem(call: dict) -> str | None:
             return f"position {t}: a head log-prob is not finite and <= 0"
         if _logsumexp(head_lp) > HEAD_MASS_TOLERANCE:
             return f"position {t}: the head's probabilities sum to more than 1"
-        # the trainer's support (rl/logprobs.py token_support): the head when it holds the support
+        # the trainer's support (rl/logprobs.py _supports): the head when it holds the support
         kept = None if size >= vocab else set(head) if size <= len(head) else set(support)
         if kept is not None and any(v not in kept for v in [tok, *(extra[t] if extra else [])]):
             return f"position {t}: a sampled id is outside the recorded support"

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from prodrl_pipeline.engine.processing import bias_matrix
 from prodrl_pipeline.quant.qat import base_forward
+from prodrl_pipeline.rl.recorded import RecordedCalls
 
 
 @dataclass
@@ -59,80 +61,52 @@ class Sequences:
         return Sequences(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
-PER_POSITION = ("completion_logprobs", "topk_token_ids", "topk_logprobs", "support_size", "support_token_ids")
-"""The columns of a recorded call with one entry per completion position (docs/tables.md)."""
-
-
-def build_sequences(calls: list[dict], pad_id: int) -> Sequences:
-    """Pack recorded calls (rows of the `calls` table) into one padded batch: one tensor per column,
-    built from each column's values flattened over the calls (no per-token tensors). Calls pass
-    records.validate first; a call whose per-position columns disagree in length is refused here too
-    (flattened, they would pair one position's head with another's token)."""
-    for c in calls:
-        n = len(c["completion_token_ids"])
-        if any(len(c[k]) != n for k in PER_POSITION) or any(
-            len(h) != len(lp) for h, lp in zip(c["topk_token_ids"], c["topk_logprobs"], strict=True)
-        ):
-            raise ValueError(f"call {c.get('call_id')!r}: its per-position columns disagree in length")
-    prompt_len = torch.tensor([len(c["prompt_token_ids"]) for c in calls])
-    comp_len = torch.tensor([len(c["completion_token_ids"]) for c in calls])
-    width = int((prompt_len + comp_len).max())
-    ids = torch.full((len(calls), width), pad_id, dtype=torch.long)
-    for n, c in enumerate(calls):
-        seq = torch.tensor([*c["prompt_token_ids"], *c["completion_token_ids"]], dtype=torch.long)
-        ids[n, : len(seq)] = seq
-    mask = (torch.arange(width) < (prompt_len + comp_len)[:, None]).long()
-    rows = torch.repeat_interleave(torch.arange(len(calls)), comp_len)  # [Ntok]
-    first = torch.cumsum(comp_len, 0) - comp_len  # index of each call's first token
-    pos = torch.arange(len(rows)) - first[rows] + prompt_len[rows] - 1
-    heads = [h for c in calls for h in c["topk_token_ids"]]
-    head_ids, head_mask = _ragged(heads, 0, torch.long)
-    head_mu, _ = _ragged([lp for c in calls for lp in c["topk_logprobs"]], float("-inf"), torch.float32)
-    extras = [e for c in calls for e in (c.get("extra_token_ids") or [[] for _ in c["completion_token_ids"]])]
-    extra_ids, extra_mask = _ragged(extras, 0, torch.long)
-    if not bool(extra_mask.all()):
+def build_sequences(calls: RecordedCalls, pad_id: int) -> Sequences:
+    """Pack recorded calls into one padded batch: one tensor per column, filled from each column's
+    flat values by masks (no per-call or per-token tensors)."""
+    n = len(calls)
+    prompt_len, comp_len = calls.prompt.lengths, calls.completion.lengths
+    width = int((prompt_len + comp_len).max(initial=0))
+    cols = np.arange(width)
+    ids = np.full((n, width), pad_id, dtype=np.int64)
+    ids[cols < prompt_len[:, None]] = calls.prompt.values
+    ids[(cols >= prompt_len[:, None]) & (cols < (prompt_len + comp_len)[:, None])] = calls.completion.values
+    mask = (cols < (prompt_len + comp_len)[:, None]).astype(np.int64)
+    rows = np.repeat(np.arange(n), comp_len)  # [Ntok]
+    pos = np.arange(len(rows)) - calls.completion.offsets[:-1][rows] + prompt_len[rows] - 1
+    head_ids, head_mask = calls.head_ids.padded(0)
+    head_mu, _ = calls.head_logprobs.padded(float("-inf"))
+    extra_ids, extra_mask = calls.extra_ids.padded(0)
+    if not extra_mask.all():
         raise ValueError("calls of one batch recorded different numbers of extra samples")
-    biases = [_bias(c) for c in calls for _ in c["completion_token_ids"]]
+    biases = [calls.bias[r] for r in rows] if any(b is not None for b in calls.bias) else None
     return Sequences(
-        ids,
-        mask,
-        rows,
-        pos,
-        torch.tensor([t for c in calls for t in c["completion_token_ids"]], dtype=torch.long),
-        torch.tensor([c["sampling"]["temperature"] for c in calls], dtype=torch.float32)[rows],
-        [token_support(c, t) for c in calls for t in range(len(c["completion_token_ids"]))],
-        torch.tensor([lp for c in calls for lp in c["completion_logprobs"]], dtype=torch.float32),
-        head_ids,
-        head_mask,
-        head_mu,
-        extra_ids,
-        biases if any(b is not None for b in biases) else None,
+        torch.from_numpy(ids),
+        torch.from_numpy(mask),
+        torch.from_numpy(rows),
+        torch.from_numpy(pos),
+        torch.from_numpy(calls.completion.values),
+        torch.from_numpy(calls.temperature[rows]),
+        _supports(calls, rows),
+        torch.from_numpy(calls.completion_logprobs),
+        torch.from_numpy(head_ids),
+        torch.from_numpy(head_mask),
+        torch.from_numpy(head_mu),
+        torch.from_numpy(extra_ids),
+        biases,
     )
 
 
-def _ragged(lists: list[list], pad: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, max length] right-padded with `pad`, and the mask of real entries."""
-    lengths = torch.tensor([len(x) for x in lists], dtype=torch.long)
-    width = int(lengths.max()) if len(lists) else 0
-    mask = torch.arange(width) < lengths[:, None]
-    out = torch.full((len(lists), width), pad, dtype=dtype)
-    out[mask] = torch.tensor([v for x in lists for v in x], dtype=dtype)
-    return out, mask
-
-
-def _bias(call: dict) -> tuple[list[int], list[float]] | None:
-    """A call's logit bias as (token ids, biases), None without one."""
-    entries = call["sampling"].get("logit_bias")
-    return ([e["token_id"] for e in entries], [e["bias"] for e in entries]) if entries else None
-
-
-def token_support(call: dict, t: int) -> list[int] | None:
-    """The kept support of position t of a recorded call (docs/tables.md), None if unrestricted."""
-    size = call["support_size"][t]
-    if size >= call["vocab_size"]:
-        return None
-    head = call["topk_token_ids"][t]
-    return list(head) if size <= len(head) else list(call["support_token_ids"][t])
+def _supports(calls: RecordedCalls, rows: np.ndarray) -> list[list[int] | None]:
+    """Each position's kept support (docs/tables.md), None if unrestricted: the recorded head when
+    the support fits in it, else the recorded support ids."""
+    size = calls.support_size
+    in_head = size <= calls.head_ids.lengths
+    out: list[list[int] | None] = [None] * len(size)
+    for t in np.flatnonzero(size < calls.vocab_size[rows]):
+        ragged = calls.head_ids if in_head[t] else calls.support_ids
+        out[t] = ragged.values[ragged.offsets[t] : ragged.offsets[t + 1]].tolist()
+    return out
 
 
 @dataclass

@@ -17,12 +17,17 @@ import hashlib
 import json
 import pickle
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from prodrl_pipeline.folders import replacing
+from prodrl_pipeline.records.schema import LOGPROBS, POLICY_LOGPROBS
+from prodrl_pipeline.rl.recorded import Ragged, RecordedCalls
 
 STATE_FILE, META_FILE = "state.pt", "resume.json"
 
@@ -37,12 +42,17 @@ class ResumeState:
     """Their metrics rows."""
 
 
-def data_digest(calls: list[dict], advantages: list[dict]) -> str:
-    """A digest of what a round trains on: its calls (ids, tokens, log mu, sampling) and advantages."""
+def data_digest(calls: RecordedCalls, advantages: list[dict]) -> str:
+    """sha256 of what a round trains on: every column the trainer reads of its calls (in call_id
+    order) and its advantages (in trajectory order); equal data, equal digest."""
+    ordered = calls.take(np.argsort(np.array(calls.call_id, dtype=object), kind="stable"))
     h = hashlib.sha256()
-    for c in sorted(calls, key=lambda c: c["call_id"]):
-        ids = [c["call_id"], c["trajectory_id"], list(c["prompt_token_ids"]), list(c["completion_token_ids"])]
-        h.update(json.dumps([*ids, list(c["completion_logprobs"]), c["sampling"]]).encode())
+    for f in fields(ordered):
+        value = getattr(ordered, f.name)
+        h.update(f.name.encode())
+        for part in (value.values, value.offsets) if isinstance(value, Ragged) else (value,):
+            data = part.tobytes() if isinstance(part, np.ndarray) else json.dumps(part).encode()
+            h.update(len(data).to_bytes(8, "little") + data)  # its length first: no part runs into the next
     for a in sorted(advantages, key=lambda a: a["trajectory_id"]):
         h.update(json.dumps([a["trajectory_id"], a["minibatch"], a["advantage"]]).encode())
     return h.hexdigest()
@@ -85,3 +95,41 @@ def load_state(folder: Path, fingerprint: dict) -> ResumeState | None:
 
 def clear_state(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def logprobs_table(
+    call_ids: list[str],
+    round_start: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor] | None,
+    round_: int,
+    experiment: str,
+) -> pa.Table:
+    """The round's `policy_logprobs` rows: pi_k (and the reference, else null) of each call, as
+    Arrow lists built from the tensors' float32 values (bit-exact)."""
+
+    def lists(per_call: dict[str, torch.Tensor]) -> pa.ListArray:
+        parts = [per_call[c].detach().cpu().float() for c in call_ids]
+        offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+        np.cumsum([len(p) for p in parts], out=offsets[1:])
+        values = torch.cat(parts).numpy() if parts else np.zeros(0, dtype=np.float32)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.float32()))
+
+    n = len(call_ids)
+    return pa.Table.from_arrays(
+        [
+            pa.array(call_ids, pa.string()),
+            pa.array(np.full(n, round_, dtype=np.int64)),
+            pa.array([experiment] * n, pa.string()),
+            lists(round_start),
+            lists(reference) if reference is not None else pa.nulls(n, LOGPROBS),
+        ],
+        schema=POLICY_LOGPROBS,
+    )
+
+
+def stored_logprobs(table: pa.Table, experiment: str, column: str) -> dict[str, torch.Tensor]:
+    """One log-prob column of `policy_logprobs` rows, per call_id, for one experiment."""
+    rows = table.filter(pc.equal(table.column("experiment"), experiment))
+    lists = Ragged.of(rows.column(column).combine_chunks(), np.float32)
+    values = torch.from_numpy(lists.values)
+    return dict(zip(rows.column("call_id").to_pylist(), values.split(lists.lengths.tolist()), strict=True))

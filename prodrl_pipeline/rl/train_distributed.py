@@ -24,6 +24,7 @@ from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import LINEAGE_KEYS
 from prodrl_pipeline.rl.distributed import DataParallel, load_sharded, save_consolidated
 from prodrl_pipeline.rl.estimators import EstimatorConfig
+from prodrl_pipeline.rl.recorded import RecordedCalls, trained_calls
 from prodrl_pipeline.rl.trainer import TrainerConfig, train_round
 
 
@@ -68,8 +69,7 @@ def run(argv: list[str] | None = None) -> tuple[list[dict], int, str | None]:
         dist.barrier()
         parent = files.local(args.parent)
         advantages = store.read("advantages", args.round).to_pylist()
-        trained = {a["trajectory_id"] for a in advantages}
-        calls = [c for c in store.read("calls", args.round).to_pylist() if c["trajectory_id"] in trained]
+        calls = RecordedCalls.from_arrow(trained_calls(store.read("calls", args.round), advantages))
         model, optimizer, meta = load_sharded(parent, cfg, dp)
         rows = train_round(
             model,

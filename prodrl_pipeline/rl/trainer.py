@@ -11,16 +11,18 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from prodrl_pipeline.quant.qat import served_weights
 from prodrl_pipeline.rl.estimators import EstimatorConfig, TokenInputs, aggregate, objective
 from prodrl_pipeline.rl.logprobs import Sequences, TokenLogprobs, build_sequences, token_logprobs
+from prodrl_pipeline.rl.recorded import RecordedCalls
 
 if TYPE_CHECKING:
     from prodrl_pipeline.rl.distributed import DataParallel
@@ -97,24 +99,23 @@ def make_optimizer(model: PreTrainedModel, cfg: TrainerConfig, state: dict | Non
     return opt
 
 
-def _microbatches(calls: list[dict], size: int) -> list[list[dict]]:
-    """Whole trajectories per microbatch (the trust region needs all of a trajectory's tokens),
-    trajectories ordered by their longest call so a microbatch pads little (the gradient is a sum
-    over microbatches: the order does not change it)."""
-    by_traj: dict[str, list[dict]] = defaultdict(list)
-    for c in calls:
-        by_traj[c["trajectory_id"]].append(c)
-    longest = {
-        t: max(len(c["prompt_token_ids"]) + len(c["completion_token_ids"]) for c in cs)
-        for t, cs in by_traj.items()
-    }
+def _microbatches(calls: RecordedCalls, size: int, chosen: Iterable[int] | None = None) -> list[np.ndarray]:
+    """The `chosen` calls (default: all) as microbatches of call indices, whole trajectories per
+    microbatch (the trust region needs all of a trajectory's tokens), trajectories ordered by their
+    longest call so a microbatch pads little (the gradient is a sum over microbatches: the order
+    does not change it), calls in call order."""
+    by_traj: dict[str, list[int]] = defaultdict(list)
+    for i in range(len(calls)) if chosen is None else chosen:
+        by_traj[calls.trajectory_id[i]].append(i)
+    lengths = calls.lengths
+    longest = {t: max(lengths[i] for i in idx) for t, idx in by_traj.items()}
     out, current = [], []
-    for _, traj in sorted(by_traj.items(), key=lambda item: longest[item[0]]):
-        if current and len(current) + len(traj) > size:
-            out.append(current)
+    for _, idx in sorted(by_traj.items(), key=lambda item: longest[item[0]]):
+        if current and len(current) + len(idx) > size:
+            out.append(np.array(current))
             current = []
-        current.extend(sorted(traj, key=lambda c: c["call_index"]))
-    return out + [current] if current else out
+        current.extend(sorted(idx, key=lambda i: calls.call_index[i]))
+    return out + [np.array(current)] if current else out
 
 
 def _token_logprobs(
@@ -133,40 +134,43 @@ def _token_logprobs(
 
 
 def _passes(
-    micros: list[list[dict]], dp: DataParallel | None, spare: list[dict]
-) -> Iterator[tuple[list[dict], bool]]:
-    """(microbatch, real): the microbatches, padded under data parallelism so that every rank runs
-    as many forward/backward passes as the busiest one (a padding pass is not real; `spare` is
-    what a rank with nothing of its own runs)."""
-    return dp.lockstep(micros, spare) if dp else ((m, True) for m in micros)
+    calls: RecordedCalls, micros: list[np.ndarray], dp: DataParallel | None, spare: np.ndarray
+) -> Iterator[tuple[RecordedCalls, bool]]:
+    """(microbatch, real): the microbatches' calls, padded under data parallelism so that every rank
+    runs as many forward/backward passes as the busiest one (a padding pass is not real; `spare`:
+    the calls a rank with nothing of its own runs)."""
+    passes = dp.lockstep(micros, spare) if dp else ((m, True) for m in micros)
+    return ((calls.take(m), real) for m, real in passes)
 
 
 @torch.no_grad()
 def policy_logprobs(
     model: PreTrainedModel,
-    calls: list[dict],
+    calls: RecordedCalls,
     cfg: TrainerConfig,
     pad_id: int,
     *,
     fake_quant: bool,
     dp: DataParallel | None = None,
-    spare: list[dict] | None = None,
+    chosen: Iterable[int] | None = None,
+    spare: np.ndarray | None = None,
 ) -> dict[str, torch.Tensor]:
     """log pi of every completion token over its recorded support, per call_id ([T] each): pi_k
     with theta_k before the first step (`fake_quant` = cfg.qat), or the reference from the already
     dequantized deployment (`fake_quant` = False: the reference is W_hat as served, not a second
-    round trip of it). With `dp`, `calls` are this rank's and the passes run in lockstep (`spare`:
-    calls a rank with none of its own runs, results unused)."""
+    round trip of it). `chosen`: the indices of the calls to evaluate (default: all). With `dp`,
+    they are this rank's and the passes run in lockstep (`spare`: the calls a rank with none of its
+    own runs, results unused)."""
     out = {}
     w_hat = served_weights(model) if fake_quant else None
     device = _device(model)
-    for mb, real in _passes(_microbatches(calls, cfg.microbatch_calls), dp, spare):
+    micros = _microbatches(calls, cfg.microbatch_calls, chosen)
+    for mb, real in _passes(calls, micros, dp, spare):
         lp = _token_logprobs(
             model, build_sequences(mb, pad_id).to(device), cfg, w_hat, dp, frozenset()
         ).logprobs
         if real:
-            for c, part in zip(mb, lp.split([len(c["completion_token_ids"]) for c in mb]), strict=True):
-                out[c["call_id"]] = part
+            out.update(zip(mb.call_id, lp.split(mb.completion.lengths.tolist()), strict=True))
     return out
 
 
@@ -188,7 +192,7 @@ def _means(stats: dict[str, list[torch.Tensor]], dp: DataParallel | None) -> dic
 def train_round(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
-    calls: list[dict],
+    calls: RecordedCalls,
     advantages: list[dict],
     cfg: TrainerConfig,
     pad_id: int,
@@ -214,9 +218,10 @@ def train_round(
         raise ValueError("estimator ref_is needs reference log-probs from the dequantized deployment")
     if dp and cfg.qat:
         raise ValueError("quantization-aware training is not supported with data parallelism yet")
-    by_traj: dict[str, list[dict]] = defaultdict(list)
-    for c in calls:
-        by_traj[c["trajectory_id"]].append(c)
+    by_traj: dict[str, list[int]] = defaultdict(list)  # the indices of each trajectory's calls
+    for i, t in enumerate(calls.trajectory_id):
+        by_traj[t].append(i)
+    tokens = calls.completion.lengths
     minibatches: dict[int, list[dict]] = defaultdict(list)
     for a in advantages:
         if a["trajectory_id"] not in by_traj:
@@ -225,11 +230,7 @@ def train_round(
 
     ordered = [minibatches[k] for k in sorted(minibatches)]
     lengths = [  # completion tokens T_i of each minibatch's trajectories
-        {
-            a["trajectory_id"]: sum(len(c["completion_token_ids"]) for c in by_traj[a["trajectory_id"]])
-            for a in mb
-        }
-        for mb in ordered
+        {a["trajectory_id"]: int(tokens[by_traj[a["trajectory_id"]]].sum()) for a in mb} for mb in ordered
     ]
     shares = [dp.share(length) if dp else set(length) for length in lengths]
     outputs = est.reads | {"entropy"}  # the entropy is reported
@@ -237,9 +238,11 @@ def train_round(
     model.eval()  # Qwen3 has no dropout; eval keeps pi_k and pi numerically identical at step 0
     if round_start is None:
         mine = set().union(*shares)
-        trained = [c for a in advantages if a["trajectory_id"] in mine for c in by_traj[a["trajectory_id"]]]
-        spare = by_traj[advantages[0]["trajectory_id"]]
-        round_start = policy_logprobs(model, trained, cfg, pad_id, fake_quant=cfg.qat, dp=dp, spare=spare)
+        trained = [i for a in advantages if a["trajectory_id"] in mine for i in by_traj[a["trajectory_id"]]]
+        spare = np.array(by_traj[advantages[0]["trajectory_id"]])
+        round_start = policy_logprobs(
+            model, calls, cfg, pad_id, fake_quant=cfg.qat, dp=dp, chosen=trained, spare=spare
+        )
     rows = []
     for step, (mb, length, share) in enumerate(zip(ordered, lengths, shares, strict=True)):
         if step < start_minibatch:
@@ -251,15 +254,16 @@ def train_round(
         w_hat = served_weights(model) if cfg.qat else None
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
         loss_total, dropped = 0.0, set()
-        micros = _microbatches([c for t in adv if t in share for c in by_traj[t]], cfg.microbatch_calls)
-        for micro, real in _passes(micros, dp, by_traj[mb[0]["trajectory_id"]]):
+        ours = [i for t in adv if t in share for i in by_traj[t]]
+        micros = _microbatches(calls, cfg.microbatch_calls, ours)
+        for micro, real in _passes(calls, micros, dp, np.array(by_traj[mb[0]["trajectory_id"]])):
             seqs = build_sequences(micro, pad_id).to(device)
             lp = _token_logprobs(model, seqs, cfg, w_hat, dp, outputs)
-            owner = [c["trajectory_id"] for c in micro for _ in c["completion_token_ids"]]
+            owner = [micro.trajectory_id[r] for r in seqs.token_row.tolist()]
             index = {t: i for i, t in enumerate(dict.fromkeys(owner))}
             free = seqs.free
             pi_k = (
-                torch.cat([round_start[c["call_id"]] for c in micro]).to(device)
+                torch.cat([round_start[c] for c in micro.call_id]).to(device)
                 if real
                 else lp.logprobs.detach()
             )
@@ -279,7 +283,7 @@ def train_round(
                 head_deployment_logprobs=head_mu,
                 extra_logprobs=lp.extra_logprobs,
                 complement_logprobs=lp.complement_logprobs,
-                reference_logprobs=torch.cat([reference[c["call_id"]] for c in micro]).to(device)
+                reference_logprobs=torch.cat([reference[c] for c in micro.call_id]).to(device)
                 if reference
                 else None,
             )

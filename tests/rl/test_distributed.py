@@ -14,6 +14,7 @@ import torch
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
 from prodrl_pipeline.rl.distributed import DataParallel
+from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
 from tests.rl.test_trainer import _advantages
 
@@ -47,12 +48,14 @@ def test_two_process_fsdp2_round_equals_the_single_process_round(tiny_model, rec
     parent = tmp_path / "parent"  # a parent with Adam state, as every round after the first has
     model = copy.deepcopy(tiny_model)
     opt = make_optimizer(model, cfg, None)
-    train_round(model, opt, recorded.calls, adv, cfg, pad_id=0)
+    train_round(model, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0)
     save_checkpoint(parent, model, opt.state_dict(), {"step": 2})
 
     model, state, meta = load_checkpoint(parent)
     opt = make_optimizer(model, cfg, state)
-    single = train_round(model, opt, recorded.calls, adv, cfg, pad_id=0, first_step=meta["step"])
+    single = train_round(
+        model, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0, first_step=meta["step"]
+    )
 
     store = DeltaStore(tmp_path / "tables")
     store.overwrite_round("calls", recorded.calls, 1)

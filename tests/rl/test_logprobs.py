@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from prodrl_pipeline.rl.estimators import EstimatorConfig, TokenInputs, objective
-from prodrl_pipeline.rl.logprobs import EVERY_OUTPUT, build_sequences, token_logprobs, token_support
+from prodrl_pipeline.rl.logprobs import EVERY_OUTPUT, build_sequences, token_logprobs
+from prodrl_pipeline.rl.recorded import RecordedCalls
 
 
 def _naive(model, seqs):
@@ -25,7 +26,7 @@ def _over_support(logp, seqs):
 
 
 def test_chunked_equals_naive_log_softmax_gather(tiny_model, recorded, tokenizer):
-    seqs = build_sequences(recorded.calls, tokenizer.pad_token_id)
+    seqs = build_sequences(RecordedCalls.from_rows(recorded.calls), tokenizer.pad_token_id)
     logp = _naive(tiny_model, seqs)
     kept = _over_support(logp, seqs)
     full = logp.gather(1, seqs.token_ids[:, None]).squeeze(1)
@@ -52,7 +53,7 @@ def test_chunked_equals_naive_log_softmax_gather(tiny_model, recorded, tokenizer
 
 
 def test_support_renormalizes_and_forced_tokens_carry_no_gradient(tiny_model, recorded, tokenizer):
-    seqs = build_sequences(recorded.calls, tokenizer.pad_token_id)
+    seqs = build_sequences(RecordedCalls.from_rows(recorded.calls), tokenizer.pad_token_id)
     got = token_logprobs(tiny_model, seqs, chunk_tokens=64)
     logp = _naive(tiny_model, seqs)
     forced = ~seqs.free
@@ -80,10 +81,14 @@ def test_the_trainer_evaluates_pi_as_served_with_the_recorded_logit_bias(
     calls = record(tiny_model, tokenizer, train_puzzles[:4], tmp_path, params=params).calls
     assert calls[0]["sampling"]["logit_bias"][0] == {"token_id": 1024, "bias": 3.0}
     with torch.no_grad():
-        served = token_logprobs(tiny_model, build_sequences(calls, tokenizer.pad_token_id))
+        served = token_logprobs(
+            tiny_model, build_sequences(RecordedCalls.from_rows(calls), tokenizer.pad_token_id)
+        )
         unbiased = [{**c, "sampling": {**c["sampling"], "logit_bias": []}} for c in calls]
-        ignored = token_logprobs(tiny_model, build_sequences(unbiased, tokenizer.pad_token_id))
-    seqs = build_sequences(calls, tokenizer.pad_token_id)
+        ignored = token_logprobs(
+            tiny_model, build_sequences(RecordedCalls.from_rows(unbiased), tokenizer.pad_token_id)
+        )
+    seqs = build_sequences(RecordedCalls.from_rows(calls), tokenizer.pad_token_id)
     free = seqs.free
     torch.testing.assert_close(served.logprobs[free], seqs.deployment_logprobs[free], rtol=0, atol=2e-5)
     head = seqs.head_mask
@@ -99,7 +104,7 @@ def test_calls_with_different_numbers_of_extra_samples_are_not_batched(recorded)
     first, second = recorded.calls[0], dict(recorded.calls[1])
     second["extra_token_ids"] = [e[:1] for e in second["extra_token_ids"]]  # one where the rest have two
     with pytest.raises(ValueError, match="^calls of one batch recorded different numbers of extra samples$"):
-        build_sequences([first, second], pad_id=0)
+        build_sequences(RecordedCalls.from_rows([first, second]), pad_id=0)
 
 
 @pytest.mark.parametrize(
@@ -118,7 +123,7 @@ def test_calls_with_different_numbers_of_extra_samples_are_not_batched(recorded)
 def test_each_estimator_reads_only_the_log_probs_it_declares(cfg, tiny_model, recorded, tokenizer):
     """Computing only `cfg.reads` gives the objective and gradient of computing every field; a
     field an estimator reads but does not declare would be None here and fail."""
-    seqs = build_sequences(recorded.calls, tokenizer.pad_token_id)
+    seqs = build_sequences(RecordedCalls.from_rows(recorded.calls), tokenizer.pad_token_id)
     assert cfg.reads <= EVERY_OUTPUT and not ({"full_logprobs", "entropy"} & cfg.reads)
     results = []
     for outputs in (EVERY_OUTPUT, cfg.reads):
@@ -147,7 +152,7 @@ def test_each_estimator_reads_only_the_log_probs_it_declares(cfg, tiny_model, re
 
 
 def test_an_unknown_log_prob_output_is_refused(tiny_model, recorded, tokenizer):
-    seqs = build_sequences(recorded.calls[:1], tokenizer.pad_token_id)
+    seqs = build_sequences(RecordedCalls.from_rows(recorded.calls[:1]), tokenizer.pad_token_id)
     with pytest.raises(ValueError, match=r"^unknown log-prob outputs \['tail'\]; choose from \['complement"):
         token_logprobs(tiny_model, seqs, outputs=frozenset({"tail"}))
 
@@ -168,7 +173,9 @@ def _packed_token_by_token(calls, pad_id):
             out["pos"].append(len(c["prompt_token_ids"]) + t - 1)
             out["tok"].append(tok)
             out["temp"].append(c["sampling"]["temperature"])
-            out["support"].append(token_support(c, t))
+            size, head = c["support_size"][t], c["topk_token_ids"][t]  # the kept support (docs/tables.md)
+            restricted = head if size <= len(head) else c["support_token_ids"][t]
+            out["support"].append(None if size >= c["vocab_size"] else restricted)
             out["mu"].append(c["completion_logprobs"][t])
             out["head"].append(c["topk_token_ids"][t])
             out["head_mu"].append(c["topk_logprobs"][t])
@@ -181,7 +188,7 @@ def test_packing_equals_packing_token_by_token(recorded, tokenizer):
     calls = recorded.calls[:6]
     calls[1]["sampling"] = {**calls[1]["sampling"], "temperature": 0.7}
     calls[2]["sampling"] = {**calls[2]["sampling"], "logit_bias": [{"token_id": 5, "bias": -1.5}]}
-    seqs = build_sequences(calls, tokenizer.pad_token_id)
+    seqs = build_sequences(RecordedCalls.from_rows(calls), tokenizer.pad_token_id)
     ids, mask, ref = _packed_token_by_token(calls, tokenizer.pad_token_id)
     assert torch.equal(seqs.input_ids, ids) and torch.equal(seqs.attention_mask, mask)
     assert seqs.token_row.tolist() == ref["row"] and seqs.token_pos.tolist() == ref["pos"]
@@ -208,4 +215,4 @@ def test_a_call_whose_positions_disagree_in_length_is_not_packed(recorded, colum
     call = recorded.calls[0]
     call[column] = call[column][:-1] if column != "topk_logprobs" else [lp[:-1] for lp in call[column]]
     with pytest.raises(ValueError, match="per-position columns disagree in length$"):
-        build_sequences([recorded.calls[1], call], pad_id=0)
+        build_sequences(RecordedCalls.from_rows([recorded.calls[1], call]), pad_id=0)

@@ -8,6 +8,7 @@ from prodrl_pipeline.quant.nvfp4 import QUANTIZED, load_deployment
 from prodrl_pipeline.quant.qat import served_weights
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.logprobs import build_sequences, token_logprobs
+from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import TrainerConfig, policy_logprobs
 from tests.rl.conftest import record
 
@@ -30,11 +31,13 @@ def test_qat_removes_the_quantization_mismatch(tiny_model, tokenizer, train_puzz
     fake-quantized pi_k matches mu up to kernel differences."""
     rollouts = record(tiny_model, tokenizer, train_puzzles[:8], tmp_path, "nvfp4")
     mu = torch.cat([torch.tensor(c["completion_logprobs"]) for c in rollouts.calls])
-    free = build_sequences(rollouts.calls, tokenizer.pad_token_id).free
+    free = build_sequences(RecordedCalls.from_rows(rollouts.calls), tokenizer.pad_token_id).free
     gaps = {}
     for qat in (False, True):
         cfg = TrainerConfig(qat=qat)
-        pik = policy_logprobs(tiny_model, rollouts.calls, cfg, tokenizer.pad_token_id, fake_quant=qat)
+        pik = policy_logprobs(
+            tiny_model, RecordedCalls.from_rows(rollouts.calls), cfg, tokenizer.pad_token_id, fake_quant=qat
+        )
         gaps[qat] = (torch.cat([pik[c["call_id"]] for c in rollouts.calls]) - mu)[free].abs()
     assert gaps[True].max() < ENGINE_VS_TRAINER_ATOL
     assert gaps[False].mean() > 10 * ENGINE_VS_TRAINER_ATOL
@@ -42,7 +45,7 @@ def test_qat_removes_the_quantization_mismatch(tiny_model, tokenizer, train_puzz
 
 def test_qat_gradient_is_straight_through(tiny_model, recorded, tokenizer):
     """d loss / d W under QAT equals d loss / d W_hat of a model holding W_hat."""
-    seqs = build_sequences(recorded.calls, tokenizer.pad_token_id)
+    seqs = build_sequences(RecordedCalls.from_rows(recorded.calls), tokenizer.pad_token_id)
     w_hat = served_weights(tiny_model)
     token_logprobs(tiny_model, seqs, w_hat=w_hat).logprobs.sum().backward()
     holder = copy.deepcopy(tiny_model)

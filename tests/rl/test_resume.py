@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.resume import clear_state, load_state, save_state
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, policy_logprobs, train_round
 from tests.rl.test_trainer import _advantages
@@ -20,8 +21,10 @@ def test_a_round_resumed_from_its_saved_state_is_bit_identical(tiny_model, recor
     fingerprint = {"parent_id": "base", "trainer": "cfg"}
     straight = copy.deepcopy(tiny_model)
     opt = make_optimizer(straight, cfg, None)
-    pi_k = policy_logprobs(straight, recorded.calls, cfg, 0, fake_quant=False)
-    expected = train_round(straight, opt, recorded.calls, adv, cfg, pad_id=0, round_start=pi_k)
+    pi_k = policy_logprobs(straight, RecordedCalls.from_rows(recorded.calls), cfg, 0, fake_quant=False)
+    expected = train_round(
+        straight, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0, round_start=pi_k
+    )
 
     def save_then_die(done: int, rows: list[dict]) -> None:
         save_state(tmp_path / "partial", model, opt, done, rows, fingerprint)
@@ -32,7 +35,14 @@ def test_a_round_resumed_from_its_saved_state_is_bit_identical(tiny_model, recor
     opt = make_optimizer(model, cfg, None)
     with pytest.raises(Killed):
         train_round(
-            model, opt, recorded.calls, adv, cfg, pad_id=0, round_start=pi_k, after_step=save_then_die
+            model,
+            opt,
+            RecordedCalls.from_rows(recorded.calls),
+            adv,
+            cfg,
+            pad_id=0,
+            round_start=pi_k,
+            after_step=save_then_die,
         )
     assert load_state(tmp_path / "partial", {**fingerprint, "trainer": "other"}) is None  # another round's
     state = load_state(tmp_path / "partial", fingerprint)
@@ -41,7 +51,16 @@ def test_a_round_resumed_from_its_saved_state_is_bit_identical(tiny_model, recor
     opt = make_optimizer(model, cfg, None)
     model.load_state_dict(state.model)
     opt.load_state_dict(state.optimizer)
-    rest = train_round(model, opt, recorded.calls, adv, cfg, pad_id=0, round_start=pi_k, start_minibatch=2)
+    rest = train_round(
+        model,
+        opt,
+        RecordedCalls.from_rows(recorded.calls),
+        adv,
+        cfg,
+        pad_id=0,
+        round_start=pi_k,
+        start_minibatch=2,
+    )
     assert [r["step"] for r in state.rows + rest] == [1, 2, 3]
     assert [r["loss"] for r in state.rows + rest] == [r["loss"] for r in expected]
     for a, b in zip(model.parameters(), straight.parameters(), strict=True):
@@ -54,27 +73,44 @@ def test_the_data_digest_sees_every_trained_field_and_nothing_else():
     from prodrl_pipeline.rl.resume import data_digest
     from tests.records.test_validate import _call
 
+    def digest(calls, adv):
+        return data_digest(RecordedCalls.from_rows(calls), adv)
+
     calls = [_call("a"), _call("b")]
     adv = [
         {"trajectory_id": "a", "minibatch": 0, "advantage": 0.5},
         {"trajectory_id": "b", "minibatch": 0, "advantage": -0.5},
     ]
-    base = data_digest(calls, adv)
-    assert len(base) == 64 and data_digest(calls[::-1], adv[::-1]) == base  # the order of rows is irrelevant
-    assert data_digest([{**calls[0], "created_at": None}, calls[1]], adv) == base  # wall clock is not data
+    base = digest(calls, adv)
+    assert len(base) == 64 and digest(calls[::-1], adv[::-1]) == base  # the order of rows is irrelevant
+    untrained = {"created_at": None, "finish_reason": "length", "messages_json": "[1]", "round": 2}
+    for field, value in untrained.items():  # neither wall clock nor what the trainer does not read
+        assert digest([{**calls[0], field: value}, calls[1]], adv) == base, field
     changed_calls = {
         "call_id": "a-9",
         "trajectory_id": "z",
+        "call_index": 1,
         "prompt_token_ids": [1, 2, 4],
         "completion_token_ids": [4, 6],
         "completion_logprobs": [-0.5, -1e-9],
+        "topk_token_ids": [[6, 4], [5]],
+        "topk_logprobs": [[-0.5, -1.5], [0.0]],
+        "support_size": [3, 2],
+        "support_token_ids": [[4, 6, 8], []],
+        "extra_token_ids": [[4], [5]],
+        "vocab_size": 11,
         "sampling": {"temperature": 0.5},
     }
     for field, value in changed_calls.items():
-        assert data_digest([{**calls[0], field: value}, calls[1]], adv) != base, field
+        assert digest([{**calls[0], field: value}, calls[1]], adv) != base, field
+    biased = {"temperature": 1.0, "logit_bias": [{"token_id": 4, "bias": 1.0}]}
+    assert digest([{**calls[0], "sampling": biased}, calls[1]], adv) != base
     for field, value in {"trajectory_id": "c", "minibatch": 1, "advantage": 0.25}.items():
-        assert data_digest(calls, [{**adv[0], field: value}, adv[1]]) != base, field
-    assert data_digest(calls[:1], adv) != base and data_digest(calls, adv[:1]) != base
+        assert digest(calls, [{**adv[0], field: value}, adv[1]]) != base, field
+    assert digest(calls[:1], adv) != base and digest(calls, adv[:1]) != base
+    # the same values moved between calls: each list keeps its own length in the digest
+    moved = [{**calls[0], "prompt_token_ids": [1, 2]}, {**calls[1], "prompt_token_ids": [3, 1, 2, 3]}]
+    assert digest(moved, adv) != base
 
 
 def test_an_unreadable_or_partial_state_is_ignored(tiny_model, tmp_path):

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from prodrl_pipeline.rl.estimators import EstimatorConfig
+from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.retokenize import retokenize_calls
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
 
@@ -81,7 +82,9 @@ def test_training_on_retokenized_calls_takes_unrecorded_positions_as_on_policy(
         cfg = TrainerConfig(
             steps=1, batch_size=len(adv), estimator=EstimatorConfig(type=est), tokens="retokenized"
         )
-        (row,) = train_round(model, make_optimizer(model, cfg, None), calls, adv, cfg, pad_id=0)
+        (row,) = train_round(
+            model, make_optimizer(model, cfg, None), RecordedCalls.from_rows(calls), adv, cfg, pad_id=0
+        )
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
         assert row["engine_mismatch"] < 1e-5  # unquantized engine; the newline's mu is pi_k itself
 

@@ -6,6 +6,7 @@ import torch
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.logprobs import build_sequences, token_logprobs
+from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import TrainerConfig, _microbatches, make_optimizer, train_round
 from tests.rl.conftest import record
 
@@ -32,7 +33,7 @@ def test_trainer_logprobs_match_the_engines(tiny_model, tokenizer, train_puzzles
     quant = record(tiny_model, tokenizer, puzzles, tmp_path, "nvfp4")
     gaps = {}
     for name, rollouts in (("none", exact), ("nvfp4", quant)):
-        seqs = build_sequences(rollouts.calls, tokenizer.pad_token_id)
+        seqs = build_sequences(RecordedCalls.from_rows(rollouts.calls), tokenizer.pad_token_id)
         with torch.no_grad():
             trainer = token_logprobs(tiny_model, seqs).logprobs
         engine = torch.tensor([lp for c in rollouts.calls for lp in c["completion_logprobs"]])
@@ -67,7 +68,7 @@ def _grads_after_one_step(model, calls, adv, microbatch_calls, estimator=None, q
     reference = None
     if cfg.estimator.type == "ref_is":  # any fixed per-token log-probs stand in for the reference
         reference = {c["call_id"]: torch.tensor(c["completion_logprobs"]) for c in calls}
-    rows = train_round(model, opt, calls, adv, cfg, pad_id=0, reference=reference)
+    rows = train_round(model, opt, RecordedCalls.from_rows(calls), adv, cfg, pad_id=0, reference=reference)
     return captured, rows
 
 
@@ -105,7 +106,9 @@ def test_loss_is_the_documented_aggregation(tiny_model, recorded, tokenizer):
     with torch.no_grad():
         for t in recorded.trajectories:
             calls = [c for c in recorded.calls if c["trajectory_id"] == t["trajectory_id"]]
-            lp = token_logprobs(tiny_model, build_sequences(calls, tokenizer.pad_token_id)).logprobs
+            lp = token_logprobs(
+                tiny_model, build_sequences(RecordedCalls.from_rows(calls), tokenizer.pad_token_id)
+            ).logprobs
             expected -= by_traj[t["trajectory_id"]] * lp.sum().item() / t["n_completion_tokens"]
     expected /= len(recorded.trajectories)
     assert abs(rows[0]["loss"] - expected) < 1e-5
@@ -116,19 +119,21 @@ def test_resumed_training_equals_uninterrupted(tiny_model, recorded, tmp_path):
     cfg = TrainerConfig(steps=2, batch_size=4, lr=1e-2, warmup_steps=3)  # warm-up spans both rounds
     straight = copy.deepcopy(tiny_model)
     opt = make_optimizer(straight, cfg, None)
-    train_round(straight, opt, recorded.calls, adv, cfg, pad_id=0)
-    train_round(straight, opt, recorded.calls, adv, cfg, pad_id=0, first_step=2)
+    train_round(straight, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0)
+    train_round(straight, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0, first_step=2)
 
     resumed = copy.deepcopy(tiny_model)
     opt = make_optimizer(resumed, cfg, None)
-    rows = train_round(resumed, opt, recorded.calls, adv, cfg, pad_id=0)
+    rows = train_round(resumed, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0)
     assert [r["lr"] for r in rows] == pytest.approx([1e-2 / 3, 2e-2 / 3])
     save_checkpoint(tmp_path / "ck", resumed, opt.state_dict(), {"step": rows[-1]["step"]})
     save_checkpoint(tmp_path / "ck", resumed, opt.state_dict(), {"step": rows[-1]["step"]})  # atomic replace
     model, opt_state, meta = load_checkpoint(tmp_path / "ck")
     assert meta["step"] == 2 and not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
     opt = make_optimizer(model, cfg, opt_state)
-    rows = train_round(model, opt, recorded.calls, adv, cfg, pad_id=0, first_step=meta["step"])
+    rows = train_round(
+        model, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0, first_step=meta["step"]
+    )
     assert rows[-1]["step"] == 4 and [r["lr"] for r in rows] == pytest.approx([1e-2, 1e-2])
     for (name, a), b in zip(straight.state_dict().items(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -140,7 +145,9 @@ def test_first_step_has_no_staleness(tiny_model, recorded, qat):
     QAT: through the served NVFP4 weights), so the first step's staleness is exactly 0."""
     adv = _advantages(recorded, batch_size=4)
     model, cfg = copy.deepcopy(tiny_model), TrainerConfig(steps=2, batch_size=4, qat=qat)
-    rows = train_round(model, make_optimizer(model, cfg, None), recorded.calls, adv, cfg, pad_id=0)
+    rows = train_round(
+        model, make_optimizer(model, cfg, None), RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0
+    )
     assert rows[1]["staleness"] > 0
     assert rows[0]["staleness"] == 0.0
     assert (
@@ -163,6 +170,9 @@ def test_is_ratios_renormalize_over_a_top_k_or_top_p_support(tiny_model, tokeniz
         outs = engine.generate([Request(ids, params) for ids in prompts], seed=0)
         calls = [
             {
+                "call_id": f"c{i}",
+                "trajectory_id": f"t{i}",
+                "call_index": 0,
                 "prompt_token_ids": ids,
                 "completion_token_ids": o.token_ids,
                 "completion_logprobs": o.logprobs,
@@ -173,9 +183,9 @@ def test_is_ratios_renormalize_over_a_top_k_or_top_p_support(tiny_model, tokeniz
                 "vocab_size": engine.vocab_size,
                 "sampling": {"temperature": 1.0},
             }
-            for ids, o in zip(prompts, outs, strict=True)
+            for i, (ids, o) in enumerate(zip(prompts, outs, strict=True))
         ]
-        seqs = build_sequences(calls, tokenizer.pad_token_id)
+        seqs = build_sequences(RecordedCalls.from_rows(calls), tokenizer.pad_token_id)
         with torch.no_grad():
             lp = token_logprobs(tiny_model, seqs)
         restricted = torch.tensor([s is not None and len(s) > 1 for s in seqs.support])
@@ -190,7 +200,7 @@ def test_recorded_lab_calls_on_policy_model_the_tail_exactly(tiny_model, tokeniz
     """Real engine, real constraint (S = the legal moves), K = 2 < |S| < V, no quantization: the
     trainer's pi_S mass outside the recorded head equals the engine's, 1 - sum_H mu (alpha = 1)."""
     rollouts = record(tiny_model, tokenizer, train_puzzles[:8], tmp_path, "none", top_logprobs=2)
-    seqs = build_sequences(rollouts.calls, tokenizer.pad_token_id)
+    seqs = build_sequences(RecordedCalls.from_rows(rollouts.calls), tokenizer.pad_token_id)
     with torch.no_grad():
         lp = token_logprobs(tiny_model, seqs)
     sizes = torch.tensor([tiny_model.config.vocab_size if s is None else len(s) for s in seqs.support])
@@ -207,7 +217,7 @@ def test_gradients_are_clipped_to_the_configured_norm(tiny_model, recorded):
         model = copy.deepcopy(tiny_model)
         cfg = TrainerConfig(steps=1, batch_size=4, grad_clip=clip)
         opt = make_optimizer(model, cfg, None)
-        (row,) = train_round(model, opt, recorded.calls, adv[:4], cfg, pad_id=0)
+        (row,) = train_round(model, opt, RecordedCalls.from_rows(recorded.calls), adv[:4], cfg, pad_id=0)
         first_moment = torch.sqrt(sum((s["exp_avg"] ** 2).sum() for s in opt.state.values()))
         applied = float(first_moment) / (1 - cfg.beta1)
         assert row["grad_norm"] > 1e-3  # the gradient the step computed, before clipping
@@ -275,7 +285,9 @@ def test_step_diagnostics_summarize_every_microbatch_of_the_step(tiny_model, rec
         copy.deepcopy(tiny_model),
         TrainerConfig(steps=2, batch_size=4, lr=5e-2, microbatch_calls=2, estimator=tis),
     )
-    rows = train_round(model, make_optimizer(model, cfg, None), recorded.calls, adv, cfg, pad_id=0)
+    rows = train_round(
+        model, make_optimizer(model, cfg, None), RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0
+    )
     assert rows[0]["total_mismatch"] == pytest.approx(rows[0]["engine_mismatch"], abs=1e-7)
     assert rows[0]["total_mismatch"] < ENGINE_VS_TRAINER_ATOL
     assert [r["rho_truncated_fraction"] for r in rows] == [1.0, 1.0]
@@ -294,7 +306,9 @@ def test_the_trust_region_counts_the_trajectories_it_drops_over_every_microbatch
         copy.deepcopy(tiny_model),
         TrainerConfig(steps=1, batch_size=4, microbatch_calls=2, estimator=tr),
     )
-    [row] = train_round(model, make_optimizer(model, cfg, None), recorded.calls, adv, cfg, pad_id=0)
+    [row] = train_round(
+        model, make_optimizer(model, cfg, None), RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0
+    )
     assert row["dropped_trajectories"] == 4
     assert row["engine_mismatch"] == pytest.approx(0.3, abs=1e-4)
 
@@ -306,19 +320,42 @@ def test_inputs_the_trainer_cannot_use_are_refused_with_the_reason(tiny_model, r
     with pytest.raises(
         ValueError, match=r"^estimator ref_is needs reference log-probs from the dequantized deployment$"
     ):
-        train_round(model, make_optimizer(model, ref, None), recorded.calls, adv, ref, pad_id=0)
+        train_round(
+            model,
+            make_optimizer(model, ref, None),
+            RecordedCalls.from_rows(recorded.calls),
+            adv,
+            ref,
+            pad_id=0,
+        )
     cfg = TrainerConfig(steps=2, batch_size=4)
     orphan = [*adv, {**adv[0], "trajectory_id": "nobody"}]
     with pytest.raises(ValueError, match=r"^trajectory nobody has an advantage but no calls$"):
-        train_round(model, make_optimizer(model, cfg, None), recorded.calls, orphan, cfg, pad_id=0)
+        train_round(
+            model,
+            make_optimizer(model, cfg, None),
+            RecordedCalls.from_rows(recorded.calls),
+            orphan,
+            cfg,
+            pad_id=0,
+        )
 
 
 def _call(trajectory: str, index: int, prompt: int, completion: int) -> dict:
+    """A call of forced tokens (a one-token support at each position)."""
     return {
+        "call_id": f"{trajectory}-{index}",
         "trajectory_id": trajectory,
         "call_index": index,
+        "vocab_size": 10,
+        "sampling": {"temperature": 1.0},
         "prompt_token_ids": [1] * prompt,
         "completion_token_ids": [2] * completion,
+        "completion_logprobs": [0.0] * completion,
+        "topk_token_ids": [[2]] * completion,
+        "topk_logprobs": [[0.0]] * completion,
+        "support_size": [1] * completion,
+        "support_token_ids": [[]] * completion,
     }
 
 
@@ -336,13 +373,16 @@ def test_microbatches_pack_whole_trajectories_shortest_first_in_call_order():
         _call("big", 1, 1, 1),
         _call("big", 3, 1, 1),
     ]
-    layout = [[(c["trajectory_id"], c["call_index"]) for c in mb] for mb in _microbatches(calls, size=3)]
+    layout = [
+        [(calls[i]["trajectory_id"], calls[i]["call_index"]) for i in mb]
+        for mb in _microbatches(RecordedCalls.from_rows(calls), size=3)
+    ]
     assert layout == [
         [("big", 0), ("big", 1), ("big", 2), ("big", 3)],
         [("short", 0), ("short", 1), ("mid", 0)],  # exactly size: not split
         [("long", 0), ("long", 1)],
     ]
-    assert _microbatches([], size=3) == []
+    assert _microbatches(RecordedCalls.from_rows([]), size=3) == []
 
 
 def test_a_new_optimizer_starts_at_the_configured_learning_rate(tiny_model):
@@ -359,7 +399,15 @@ def test_each_step_reports_its_row_exactly_and_hands_it_to_progress(tiny_model, 
     model, cfg = copy.deepcopy(tiny_model), TrainerConfig(steps=2, batch_size=4, lr=1e-3, warmup_steps=10)
     opt, seen = make_optimizer(model, cfg, None), []
     rows = train_round(
-        model, opt, recorded.calls, adv, cfg, pad_id=0, first_step=5, behaviour_step=3, progress=seen.append
+        model,
+        opt,
+        RecordedCalls.from_rows(recorded.calls),
+        adv,
+        cfg,
+        pad_id=0,
+        first_step=5,
+        behaviour_step=3,
+        progress=seen.append,
     )
     assert seen == rows and [r["step"] for r in rows] == [6, 7]
     assert set(rows[0]) == {
@@ -404,7 +452,14 @@ def test_each_pass_computes_only_the_log_probs_it_reads(tiny_model, recorded, mo
     monkeypatch.setattr(trainer, "token_logprobs", recording)
     cfg = TrainerConfig(steps=1, batch_size=4, estimator=estimator)
     model = copy.deepcopy(tiny_model)
-    train_round(model, make_optimizer(model, cfg, None), recorded.calls, _advantages(recorded, 4)[:4], cfg, 0)
+    train_round(
+        model,
+        make_optimizer(model, cfg, None),
+        RecordedCalls.from_rows(recorded.calls),
+        _advantages(recorded, 4)[:4],
+        cfg,
+        0,
+    )
     passes = len(asked) // 2  # as many microbatches in the pi_k pass as in the one step
     assert asked == [set()] * passes + [reads | {"entropy"}] * passes and passes >= 1
     assert estimator.reads == reads

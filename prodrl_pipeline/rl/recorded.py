@@ -1,0 +1,217 @@
+"""A round's recorded calls as columns: what the trainer reads of the `calls` table (docs/tables.md),
+one flat array per column with offsets, taken from Arrow once.
+
+The trainer selects and packs microbatches by slicing these arrays (`take`, then
+logprobs.build_sequences), so no call becomes a Python dict between Delta and the tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prodrl_pipeline.records.schema import CALLS
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """Lists of numbers as one flat array: list i is values[offsets[i] : offsets[i + 1]]."""
+
+    values: np.ndarray
+    offsets: np.ndarray  # int64, one more than there are lists; offsets[0] = 0
+
+    @classmethod
+    def of(cls, lists: pa.Array, dtype: type) -> Ragged:
+        """From an Arrow list array (a null list is an empty one)."""
+        lengths = pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False)
+        values = np.array(pc.list_flatten(lists).to_numpy(zero_copy_only=False), dtype=dtype)  # writable
+        return cls(values, _offsets(lengths))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def take(self, lists: np.ndarray) -> Ragged:
+        """The lists at these indices, in this order."""
+        lengths = self.lengths[lists]
+        return Ragged(self.values[_ranges(self.offsets[lists], lengths)], _offsets(lengths))
+
+    def padded(self, pad: float) -> tuple[np.ndarray, np.ndarray]:
+        """[lists, longest] right-padded with `pad`, and the mask of real entries."""
+        lengths = self.lengths
+        mask = np.arange(lengths.max(initial=0)) < lengths[:, None]
+        out = np.full(mask.shape, pad, dtype=self.values.dtype)
+        out[mask] = self.values
+        return out, mask
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of range(s, s + n) for each (s, n)."""
+    total = int(lengths.sum())
+    first = np.repeat(starts - _offsets(lengths)[:-1], lengths)
+    return first + np.arange(total, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class RecordedCalls:
+    """Per call: its ids, vocabulary, temperature and logit bias; per call, ragged: prompt and
+    completion ids; per completion position (aligned with `completion.values`): log mu of the
+    sampled id, the support's size and, ragged, the top-K head (ids and log mu), the kept support's
+    ids and the extra samples. Built by `from_arrow`, which refuses a call whose per-position
+    columns disagree in length (flattened, they would pair one position's head with another's
+    token); calls pass records.validate before they are stored."""
+
+    call_id: list[str]
+    trajectory_id: list[str]
+    call_index: np.ndarray
+    vocab_size: np.ndarray
+    temperature: np.ndarray
+    bias: list[tuple[list[int], list[float]] | None]
+    prompt: Ragged
+    completion: Ragged
+    completion_logprobs: np.ndarray
+    support_size: np.ndarray
+    head_ids: Ragged
+    head_logprobs: Ragged
+    support_ids: Ragged
+    extra_ids: Ragged
+
+    @classmethod
+    def from_arrow(cls, table: pa.Table) -> RecordedCalls:
+        """From rows of the `calls` table (any further columns are ignored)."""
+        col = {name: table.column(name).combine_chunks() for name in _READ}
+        n = len(table)
+        sampling = col["sampling"]
+        temperature = pc.struct_field(sampling, "temperature")
+        for name, values in [*((name, col[name]) for name in _REQUIRED), ("temperature", temperature)]:
+            _refuse(table, pc.is_null(values).to_numpy(zero_copy_only=False), f"it has no {name}")
+        completion = Ragged.of(col["completion_token_ids"], np.int64)
+        per_call = completion.lengths
+
+        def per_position(name: str, dtype: type, optional: bool = False) -> Ragged:
+            """A column with one list per completion position, as one list per position; an
+            `optional` column may instead be empty for a whole call (its positions get none)."""
+            lists = col[name]
+            given = pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False)
+            absent = (given == 0) & (per_call > 0) if optional else np.zeros(n, dtype=bool)
+            _refuse(table, (given != per_call) & ~absent)
+            inner = Ragged.of(pc.list_flatten(lists), dtype)
+            if not absent.any():
+                return inner
+            lengths = np.zeros(int(per_call.sum()), dtype=np.int64)  # an absent call's positions: none
+            lengths[_ranges(completion.offsets[:-1][~absent], per_call[~absent])] = inner.lengths
+            return Ragged(inner.values, _offsets(lengths))
+
+        flat = {}
+        for name, dtype in (("completion_logprobs", np.float32), ("support_size", np.int64)):
+            lists = Ragged.of(col[name], dtype)
+            _refuse(table, lists.lengths != per_call)
+            flat[name] = lists.values
+        head_ids = per_position("topk_token_ids", np.int64)
+        head_logprobs = per_position("topk_logprobs", np.float32)
+        uneven = head_ids.lengths != head_logprobs.lengths  # per position: to its call
+        _refuse(table, np.bincount(np.repeat(np.arange(n), per_call)[uneven], minlength=n) > 0)
+        biased = pc.fill_null(pc.list_value_length(pc.struct_field(sampling, "logit_bias")), 0)
+        bias: list = [None] * n
+        for i in np.flatnonzero(biased.to_numpy(zero_copy_only=False)):
+            entries = sampling[int(i)]["logit_bias"].as_py()
+            bias[i] = ([e["token_id"] for e in entries], [e["bias"] for e in entries])
+        return cls(
+            call_id=col["call_id"].to_pylist(),
+            trajectory_id=col["trajectory_id"].to_pylist(),
+            call_index=np.array(col["call_index"].to_numpy(zero_copy_only=False), dtype=np.int64),
+            vocab_size=col["vocab_size"].to_numpy(zero_copy_only=False).astype(np.int64),
+            temperature=temperature.to_numpy(zero_copy_only=False).astype(np.float32),
+            bias=bias,
+            prompt=Ragged.of(col["prompt_token_ids"], np.int64),
+            completion=completion,
+            completion_logprobs=flat["completion_logprobs"],
+            support_size=flat["support_size"],
+            head_ids=head_ids,
+            head_logprobs=head_logprobs,
+            support_ids=per_position("support_token_ids", np.int64),
+            extra_ids=per_position("extra_token_ids", np.int64, optional=True),
+        )
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[dict]) -> RecordedCalls:
+        """From calls as dicts (e.g. straight from a rollout, or retokenized)."""
+        return cls.from_arrow(pa.Table.from_pylist(list(rows), schema=CALLS))
+
+    def __len__(self) -> int:
+        return len(self.call_id)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Prompt plus completion tokens of each call."""
+        return self.prompt.lengths + self.completion.lengths
+
+    def take(self, calls: Sequence[int] | np.ndarray) -> RecordedCalls:
+        """These calls, in this order."""
+        rows = np.asarray(calls, dtype=np.int64)
+        positions = _ranges(self.completion.offsets[:-1][rows], self.completion.lengths[rows])
+        return RecordedCalls(
+            call_id=[self.call_id[i] for i in rows],
+            trajectory_id=[self.trajectory_id[i] for i in rows],
+            call_index=self.call_index[rows],
+            vocab_size=self.vocab_size[rows],
+            temperature=self.temperature[rows],
+            bias=[self.bias[i] for i in rows],
+            prompt=self.prompt.take(rows),
+            completion=self.completion.take(rows),
+            completion_logprobs=self.completion_logprobs[positions],
+            support_size=self.support_size[positions],
+            head_ids=self.head_ids.take(positions),
+            head_logprobs=self.head_logprobs.take(positions),
+            support_ids=self.support_ids.take(positions),
+            extra_ids=self.extra_ids.take(positions),
+        )
+
+
+_READ = (
+    "call_id",
+    "trajectory_id",
+    "call_index",
+    "vocab_size",
+    "sampling",
+    "prompt_token_ids",
+    "completion_token_ids",
+    "completion_logprobs",
+    "support_size",
+    "topk_token_ids",
+    "topk_logprobs",
+    "support_token_ids",
+    "extra_token_ids",
+)
+_REQUIRED = (
+    "call_id",
+    "trajectory_id",
+    "call_index",
+    "vocab_size",
+    "prompt_token_ids",
+    "completion_token_ids",
+)
+_DISAGREE = "its per-position columns disagree in length"
+
+
+def _refuse(table: pa.Table, bad: np.ndarray, reason: str = _DISAGREE) -> None:
+    """Raise for the first call marked `bad`, with `reason`."""
+    if bad.any():
+        call_id = table.column("call_id")[int(np.flatnonzero(bad)[0])].as_py()
+        raise ValueError(f"call {call_id!r}: {reason}")
+
+
+def trained_calls(calls: pa.Table, advantages: list[dict]) -> pa.Table:
+    """The rows of a round's `calls` that it trains on: those of the trajectories with an advantage."""
+    ids = pa.array(sorted({a["trajectory_id"] for a in advantages}), pa.string())
+    return calls.filter(pc.is_in(calls.column("trajectory_id"), value_set=ids))
