@@ -29,8 +29,7 @@ def token_integrity(context: AssetCheckExecutionContext, store: StoreResource) -
     return _all_rounds(
         [
             checks.token_integrity(
-                tables.read("calls", round_number(k)).to_pylist(),
-                tables.read("trajectories", round_number(k)).to_pylist(),
+                tables.read("calls", round_number(k)), tables.read("trajectories", round_number(k))
             )
             for k in keys
         ],

@@ -1,33 +1,41 @@
-"""The logic of the round's asset checks, as pure functions of table rows: (passed, metadata)."""
+"""The logic of the round's asset checks, as pure functions of tables or rows: (passed, metadata)."""
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 
+import numpy as np
+import pyarrow as pa
+
+from prodrl_pipeline.records.screen import sound_calls
 from prodrl_pipeline.records.validate import call_problem
 
 SUSTAINED_ROUNDS = 3  # a rise over this many consecutive rounds is "sustained"
 
 
-def token_integrity(calls: list[dict], trajectories: list[dict]) -> tuple[bool, dict]:
+def token_integrity(calls: pa.Table, trajectories: pa.Table) -> tuple[bool, dict]:
     """Every call keeps the data contract (lengths, id range, finite non-positive log-probs,
-    support); every trajectory is scored and has exactly its calls."""
-    problems = [f"{c['call_id']}: {p}" for c in calls if (p := call_problem(c))]
-    n_calls: dict[str, int] = defaultdict(int)
-    for c in calls:
-        n_calls[c["trajectory_id"]] += 1
-    unscored = [t for t in trajectories if t["reward"] is None or not math.isfinite(t["reward"])]
-    miscounted = [t for t in trajectories if n_calls[t["trajectory_id"]] != t["n_calls"]]
-    orphans = set(n_calls) - {t["trajectory_id"] for t in trajectories}
-    passed = bool(trajectories) and not (problems or unscored or miscounted or orphans)
+    support); every trajectory is scored and has exactly its calls. Columnar: the calls are
+    screened over whole columns (records/screen.py); only a call the screen flags is read as a
+    dict, for `call_problem` to name the rule it breaks."""
+    flagged = calls.filter(pa.array(~sound_calls(calls)))
+    problems = [f"{c['call_id']}: {p}" for c in flagged.to_pylist() if (p := call_problem(c))]
+    n_calls = Counter(calls.column("trajectory_id").to_pylist())
+    ids = trajectories.column("trajectory_id").to_pylist()
+    reward = trajectories.column("reward").to_numpy(zero_copy_only=False).astype(float)  # null: nan
+    recorded = trajectories.column("n_calls").to_pylist()
+    miscounted = sum(n_calls[t] != n for t, n in zip(ids, recorded, strict=True))
+    orphans = set(n_calls) - set(ids)
+    unscored = int((~np.isfinite(reward)).sum())
+    passed = bool(ids) and not (problems or unscored or miscounted or orphans)
     return passed, {
         "calls": len(calls),
-        "trajectories": len(trajectories),
+        "trajectories": len(ids),
         "contract_violations": len(problems),
         "first_violations": "\n".join(problems[:5]),
-        "unscored": len(unscored),
-        "n_calls_mismatch": len(miscounted),
+        "unscored": unscored,
+        "n_calls_mismatch": miscounted,
         "calls_without_trajectory": len(orphans),
     }
 

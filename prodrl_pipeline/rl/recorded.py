@@ -14,52 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prodrl_pipeline.records.ragged import Ragged, offsets, ranges
 from prodrl_pipeline.records.schema import CALLS
-
-
-@dataclass(frozen=True)
-class Ragged:
-    """Lists of numbers as one flat array: list i is values[offsets[i] : offsets[i + 1]]."""
-
-    values: np.ndarray
-    offsets: np.ndarray  # int64, one more than there are lists; offsets[0] = 0
-
-    @classmethod
-    def of(cls, lists: pa.Array, dtype: type) -> Ragged:
-        """From an Arrow list array (a null list is an empty one)."""
-        lengths = pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False)
-        values = np.array(pc.list_flatten(lists).to_numpy(zero_copy_only=False), dtype=dtype)  # writable
-        return cls(values, _offsets(lengths))
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def take(self, lists: np.ndarray) -> Ragged:
-        """The lists at these indices, in this order."""
-        lengths = self.lengths[lists]
-        return Ragged(self.values[_ranges(self.offsets[lists], lengths)], _offsets(lengths))
-
-    def padded(self, pad: float) -> tuple[np.ndarray, np.ndarray]:
-        """[lists, longest] right-padded with `pad`, and the mask of real entries."""
-        lengths = self.lengths
-        mask = np.arange(lengths.max(initial=0)) < lengths[:, None]
-        out = np.full(mask.shape, pad, dtype=self.values.dtype)
-        out[mask] = self.values
-        return out, mask
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of range(s, s + n) for each (s, n)."""
-    total = int(lengths.sum())
-    first = np.repeat(starts - _offsets(lengths)[:-1], lengths)
-    return first + np.arange(total, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -109,8 +65,8 @@ class RecordedCalls:
             if not absent.any():
                 return inner
             lengths = np.zeros(int(per_call.sum()), dtype=np.int64)  # an absent call's positions: none
-            lengths[_ranges(completion.offsets[:-1][~absent], per_call[~absent])] = inner.lengths
-            return Ragged(inner.values, _offsets(lengths))
+            lengths[ranges(completion.offsets[:-1][~absent], per_call[~absent])] = inner.lengths
+            return Ragged(inner.values, offsets(lengths))
 
         flat = {}
         for name, dtype in (("completion_logprobs", np.float32), ("support_size", np.int64)):
@@ -159,7 +115,7 @@ class RecordedCalls:
     def take(self, calls: Sequence[int] | np.ndarray) -> RecordedCalls:
         """These calls, in this order."""
         rows = np.asarray(calls, dtype=np.int64)
-        positions = _ranges(self.completion.offsets[:-1][rows], self.completion.lengths[rows])
+        positions = ranges(self.completion.offsets[:-1][rows], self.completion.lengths[rows])
         return RecordedCalls(
             call_id=[self.call_id[i] for i in rows],
             trajectory_id=[self.trajectory_id[i] for i in rows],

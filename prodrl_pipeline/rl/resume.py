@@ -26,8 +26,9 @@ import pyarrow.compute as pc
 import torch
 
 from prodrl_pipeline.folders import replacing
+from prodrl_pipeline.records.ragged import Ragged
 from prodrl_pipeline.records.schema import LOGPROBS, POLICY_LOGPROBS
-from prodrl_pipeline.rl.recorded import Ragged, RecordedCalls
+from prodrl_pipeline.rl.recorded import RecordedCalls
 
 STATE_FILE, META_FILE = "state.pt", "resume.json"
 

@@ -3,15 +3,24 @@ the metadata it reports, and the edges where it must still pass."""
 
 import math
 
+import pyarrow as pa
 import pytest
 
 from prodrl_pipeline.records.checks import advantage_sanity, mismatch_monitor, token_integrity
+from prodrl_pipeline.records.schema import CALLS, TRAJECTORIES
 from tests.records.test_validate import _call, _traj
+
+
+def _integrity(calls: list[dict], trajectories: list[dict]) -> tuple[bool, dict]:
+    """token_integrity over the rows stored as tables (what the asset check reads)."""
+    return token_integrity(
+        pa.Table.from_pylist(calls, schema=CALLS), pa.Table.from_pylist(trajectories, schema=TRAJECTORIES)
+    )
 
 
 def test_token_integrity_passes_sound_rounds_and_counts_each_fault():
     calls, trajs = [_call("a"), _call("b")], [_traj("a"), _traj("b")]
-    assert token_integrity(calls, trajs) == (
+    assert _integrity(calls, trajs) == (
         True,
         {
             "calls": 2,
@@ -23,23 +32,23 @@ def test_token_integrity_passes_sound_rounds_and_counts_each_fault():
             "calls_without_trajectory": 0,
         },
     )
-    assert token_integrity([], [])[0] is False  # an empty round is not a sound one
+    assert _integrity([], [])[0] is False  # an empty round is not a sound one
 
     broken = [_call(f"x{i}", completion_logprobs=[0.5, 0.0]) for i in range(7)]
-    passed, meta = token_integrity(calls + broken, trajs + [_traj(f"x{i}") for i in range(7)])
+    passed, meta = _integrity(calls + broken, trajs + [_traj(f"x{i}") for i in range(7)])
     assert not passed and meta["contract_violations"] == 7
     lines = meta["first_violations"].split("\n")
     assert lines == [f"x{i}-0: position 0: log-prob 0.5 is not finite and <= 0" for i in range(5)]
 
     for reward in (None, math.nan, math.inf):
-        passed, meta = token_integrity(calls, [_traj("a", reward=reward), _traj("b")])
+        passed, meta = _integrity(calls, [_traj("a", reward=reward), _traj("b")])
         assert not passed and meta["unscored"] == 1
-    passed, meta = token_integrity(calls, [_traj("a", n_calls=2), _traj("b")])
+    passed, meta = _integrity(calls, [_traj("a", n_calls=2), _traj("b")])
     assert not passed and meta["n_calls_mismatch"] == 1
-    passed, meta = token_integrity(calls + [_call("orphan")], trajs)
+    passed, meta = _integrity(calls + [_call("orphan")], trajs)
     assert not passed and meta["calls_without_trajectory"] == 1 and meta["calls"] == 3
     two = [_call("c"), _call("c", call_id="c-1", call_index=1)]  # a trajectory of two calls
-    assert token_integrity(two, [_traj("c", n_calls=2)])[0]
+    assert _integrity(two, [_traj("c", n_calls=2)])[0]
 
 
 def _adv(tid, advantage, minibatch=0):

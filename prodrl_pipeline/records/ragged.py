@@ -1,0 +1,56 @@
+"""Lists of numbers held flat: one values array and offsets, read from an Arrow list column once
+(for work over every entry of a column at numpy speed, with no Python object per entry)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """Lists of numbers as one flat array: list i is values[offsets[i] : offsets[i + 1]]."""
+
+    values: np.ndarray
+    offsets: np.ndarray  # int64, one more than there are lists; offsets[0] = 0
+
+    @classmethod
+    def of(cls, lists: pa.Array, dtype: type) -> Ragged:
+        """From an Arrow list array (a null list is an empty one)."""
+        lengths = pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False)
+        values = np.array(pc.list_flatten(lists).to_numpy(zero_copy_only=False), dtype=dtype)  # writable
+        return cls(values, offsets(lengths))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def take(self, lists: np.ndarray) -> Ragged:
+        """The lists at these indices, in this order."""
+        lengths = self.lengths[lists]
+        return Ragged(self.values[ranges(self.offsets[lists], lengths)], offsets(lengths))
+
+    def padded(self, pad: float) -> tuple[np.ndarray, np.ndarray]:
+        """[lists, longest] right-padded with `pad`, and the mask of real entries."""
+        lengths = self.lengths
+        mask = np.arange(lengths.max(initial=0)) < lengths[:, None]
+        out = np.full(mask.shape, pad, dtype=self.values.dtype)
+        out[mask] = self.values
+        return out, mask
+
+
+def offsets(lengths: np.ndarray) -> np.ndarray:
+    """[0, l0, l0 + l1, ...]: where each list starts, and the end."""
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of range(s, s + n) for each (s, n)."""
+    total = int(lengths.sum())
+    first = np.repeat(starts - offsets(lengths)[:-1], lengths)
+    return first + np.arange(total, dtype=np.int64)

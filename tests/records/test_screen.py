@@ -1,0 +1,119 @@
+"""The columnar screen of the contract (records/screen.py) against `call_problem`, its judge: a
+call the screen passes keeps every rule. Checked on every broken call of test_validate that a table
+can hold, on fuzzed calls, mixed into tables of several chunks; and real recorded calls must pass
+it (a screen that flagged everything would check nothing faster)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.records.schema import CALLS
+from prodrl_pipeline.records.screen import sound_calls
+from prodrl_pipeline.records.validate import call_problem
+from tests.conftest import build_tiny
+from tests.faults.test_fuzz import JUNK
+from tests.records.test_validate import RULES, SOUND_EDGES, _call
+from tests.rl.conftest import record
+
+
+def _table(calls: list[dict]) -> pa.Table | None:
+    """The calls as a stored table, each in its own chunk; None when Arrow cannot hold them."""
+    try:
+        return pa.concat_tables([pa.Table.from_pylist([c], schema=CALLS) for c in calls])
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return None
+
+
+def _judged(table: pa.Table) -> list[bool]:
+    """call_problem's verdict on each stored call: True where it keeps every rule."""
+    return [call_problem(c) is None for c in table.to_pylist()]
+
+
+def _screen_agrees(table: pa.Table) -> None:
+    sound, judged = sound_calls(table), _judged(table)
+    assert not any(s and not j for s, j in zip(sound, judged, strict=True)), (sound, judged)
+
+
+def test_every_broken_call_a_table_can_hold_is_flagged_among_sound_ones():
+    held = 0
+    for _, edit, _reason in RULES:
+        table = _table(
+            [_call("a"), _call("bad") | edit, _call("b"), _call("bad2") | edit]
+        )  # among sound ones
+        if table is None:
+            continue
+        judged = _judged(table)
+        if judged[1]:  # stored, the edit is gone (e.g. an int the column holds as a float)
+            continue
+        held += 1
+        assert sound_calls(table).tolist() == [True, False, True, False], edit
+    assert held >= 40  # most rules are about values a table can hold
+
+
+def test_sound_calls_at_every_edge_keep_their_verdict():
+    for _, edit in SOUND_EDGES:
+        table = _table([_call("a") | edit])
+        assert _judged(table) == [True]
+        _screen_agrees(table)
+    assert sound_calls(_table([_call("a"), _call("b")])).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(
+                [
+                    "completion_logprobs",
+                    "topk_token_ids",
+                    "topk_logprobs",
+                    "support_size",
+                    "support_token_ids",
+                    "prompt_token_ids",
+                    "completion_token_ids",
+                    "extra_token_ids",
+                    "vocab_size",
+                    "sampling",
+                ]
+            ),
+            JUNK,
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_a_fuzzed_call_the_screen_passes_keeps_every_rule(edits):
+    bad = _call("fuzz")
+    for name, value in edits:
+        bad[name] = value
+    table = _table([_call("a"), bad, _call("b")])
+    if table is not None:
+        _screen_agrees(table)
+        assert sound_calls(table)[[0, 2]].all()  # its neighbours are not dragged down
+
+
+@pytest.mark.parametrize(
+    ("params", "top_logprobs"), [(SamplingParams(), 20), (SamplingParams(top_k=5, max_tokens=8), 2)]
+)
+def test_real_recorded_calls_pass_the_screen(tokenizer, train_puzzles, tmp_path, params, top_logprobs):
+    """Constrained lab calls with a K = 20 head, and top-k calls whose support is larger than
+    their K = 2 head (support lists), with extra samples."""
+    calls = record(
+        build_tiny(tokenizer),
+        tokenizer,
+        train_puzzles[:6],
+        tmp_path,
+        params=params,
+        extra_samples=2,
+        top_logprobs=top_logprobs,
+    ).calls
+    table = pa.Table.from_pylist(calls, schema=CALLS)
+    assert all(_judged(table))
+    assert sound_calls(table).all()
+    restricted = np.array([s for c in calls for s in c["support_size"]]) < calls[0]["vocab_size"]
+    assert restricted.any()
