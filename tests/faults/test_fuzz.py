@@ -35,26 +35,28 @@ JUNK = st.one_of(
 PER_POSITION = ("completion_logprobs", "topk_token_ids", "topk_logprobs", "support_size", "support_token_ids")
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.sampled_from(
-                [
-                    *PER_POSITION,
-                    "prompt_token_ids",
-                    "completion_token_ids",
-                    "extra_token_ids",
-                    "vocab_size",
-                    "sampling",
-                ]
-            ),
-            JUNK,
+EDITS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                *PER_POSITION,
+                "prompt_token_ids",
+                "completion_token_ids",
+                "extra_token_ids",
+                "vocab_size",
+                "sampling",
+            ]
         ),
-        min_size=1,
-        max_size=3,
-    )
+        JUNK,
+    ),
+    min_size=1,
+    max_size=3,
 )
+"""One to three fields of a sound call, each replaced by junk."""
+
+
+@settings(max_examples=300, deadline=None)
+@given(EDITS)
 @example([("topk_logprobs", [0, 0])])  # found by this test: a falsy 0 passed as an empty head
 def test_a_call_with_any_fields_broken_is_kept_sound_or_rejected_with_a_reason(edits):
     bad = _call("fuzz")

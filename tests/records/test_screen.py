@@ -9,14 +9,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.records.schema import CALLS
 from prodrl_pipeline.records.screen import sound_calls
 from prodrl_pipeline.records.validate import call_problem
 from tests.conftest import build_tiny
-from tests.faults.test_fuzz import JUNK
+from tests.faults.test_fuzz import EDITS
 from tests.records.test_validate import RULES, SOUND_EDGES, _call
 from tests.rl.conftest import record
 
@@ -64,29 +63,7 @@ def test_sound_calls_at_every_edge_keep_their_verdict():
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.sampled_from(
-                [
-                    "completion_logprobs",
-                    "topk_token_ids",
-                    "topk_logprobs",
-                    "support_size",
-                    "support_token_ids",
-                    "prompt_token_ids",
-                    "completion_token_ids",
-                    "extra_token_ids",
-                    "vocab_size",
-                    "sampling",
-                ]
-            ),
-            JUNK,
-        ),
-        min_size=1,
-        max_size=3,
-    )
-)
+@given(EDITS)
 def test_a_fuzzed_call_the_screen_passes_keeps_every_rule(edits):
     bad = _call("fuzz")
     for name, value in edits:

@@ -10,6 +10,7 @@ from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.quant.nvfp4 import export_deployment, load_deployment
 from prodrl_pipeline.rl.estimators import TokenInputs
 from prodrl_pipeline.rl.logprobs import Sequences, project_logprobs
+from prodrl_pipeline.rl.recorded import RecordedCalls
 from tests.conftest import build_tiny
 
 
@@ -89,3 +90,9 @@ def token_inputs(theta, tokens, log_mu, support=None, head=None, log_pik=None, a
         extra_logprobs=lp.extra_logprobs,
         complement_logprobs=lp.complement_logprobs,
     )
+
+
+@pytest.fixture
+def columns(recorded):
+    """`recorded`'s calls as the trainer reads them (rl/recorded.py)."""
+    return RecordedCalls.from_rows(recorded.calls)

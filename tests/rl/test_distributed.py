@@ -14,7 +14,6 @@ import torch
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
 from prodrl_pipeline.rl.distributed import DataParallel
-from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
 from tests.rl.test_trainer import _advantages
 
@@ -42,20 +41,20 @@ def test_shares_cover_each_minibatch_once_balanced_by_tokens():
 
 
 @pytest.mark.parametrize("batch_size", [4, 7])  # 7: the second minibatch has 1 trajectory, a rank idles
-def test_two_process_fsdp2_round_equals_the_single_process_round(tiny_model, recorded, tmp_path, batch_size):
+def test_two_process_fsdp2_round_equals_the_single_process_round(
+    tiny_model, recorded, columns, tmp_path, batch_size
+):
     adv = [{**a, "round": 1, "baseline": 0.0} for a in _advantages(recorded, batch_size)]  # 2 steps
     cfg = TrainerConfig(steps=2, batch_size=batch_size, lr=1e-2, warmup_steps=3, microbatch_calls=3)
     parent = tmp_path / "parent"  # a parent with Adam state, as every round after the first has
     model = copy.deepcopy(tiny_model)
     opt = make_optimizer(model, cfg, None)
-    train_round(model, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0)
+    train_round(model, opt, columns, adv, cfg, pad_id=0)
     save_checkpoint(parent, model, opt.state_dict(), {"step": 2})
 
     model, state, meta = load_checkpoint(parent)
     opt = make_optimizer(model, cfg, state)
-    single = train_round(
-        model, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0, first_step=meta["step"]
-    )
+    single = train_round(model, opt, columns, adv, cfg, pad_id=0, first_step=meta["step"])
 
     store = DeltaStore(tmp_path / "tables")
     store.overwrite_round("calls", recorded.calls, 1)

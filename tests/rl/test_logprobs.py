@@ -25,8 +25,8 @@ def _over_support(logp, seqs):
     return out
 
 
-def test_chunked_equals_naive_log_softmax_gather(tiny_model, recorded, tokenizer):
-    seqs = build_sequences(RecordedCalls.from_rows(recorded.calls), tokenizer.pad_token_id)
+def test_chunked_equals_naive_log_softmax_gather(tiny_model, columns, tokenizer):
+    seqs = build_sequences(columns, tokenizer.pad_token_id)
     logp = _naive(tiny_model, seqs)
     kept = _over_support(logp, seqs)
     full = logp.gather(1, seqs.token_ids[:, None]).squeeze(1)
@@ -52,8 +52,8 @@ def test_chunked_equals_naive_log_softmax_gather(tiny_model, recorded, tokenizer
     assert torch.isinf(tail).any() and torch.isfinite(tail).any()  # both kinds of position occur
 
 
-def test_support_renormalizes_and_forced_tokens_carry_no_gradient(tiny_model, recorded, tokenizer):
-    seqs = build_sequences(RecordedCalls.from_rows(recorded.calls), tokenizer.pad_token_id)
+def test_support_renormalizes_and_forced_tokens_carry_no_gradient(tiny_model, columns, tokenizer):
+    seqs = build_sequences(columns, tokenizer.pad_token_id)
     got = token_logprobs(tiny_model, seqs, chunk_tokens=64)
     logp = _naive(tiny_model, seqs)
     forced = ~seqs.free
@@ -120,10 +120,10 @@ def test_calls_with_different_numbers_of_extra_samples_are_not_batched(recorded)
     ],
     ids=lambda c: f"{c.type}-{c.centering}-tr{c.trust_region:d}-tis{c.truncated_is:d}",
 )
-def test_each_estimator_reads_only_the_log_probs_it_declares(cfg, tiny_model, recorded, tokenizer):
+def test_each_estimator_reads_only_the_log_probs_it_declares(cfg, tiny_model, columns, tokenizer):
     """Computing only `cfg.reads` gives the objective and gradient of computing every field; a
     field an estimator reads but does not declare would be None here and fail."""
-    seqs = build_sequences(RecordedCalls.from_rows(recorded.calls), tokenizer.pad_token_id)
+    seqs = build_sequences(columns, tokenizer.pad_token_id)
     assert cfg.reads <= EVERY_OUTPUT and not ({"full_logprobs", "entropy"} & cfg.reads)
     results = []
     for outputs in (EVERY_OUTPUT, cfg.reads):

@@ -43,9 +43,9 @@ def test_qat_removes_the_quantization_mismatch(tiny_model, tokenizer, train_puzz
     assert gaps[False].mean() > 10 * ENGINE_VS_TRAINER_ATOL
 
 
-def test_qat_gradient_is_straight_through(tiny_model, recorded, tokenizer):
+def test_qat_gradient_is_straight_through(tiny_model, columns, tokenizer):
     """d loss / d W under QAT equals d loss / d W_hat of a model holding W_hat."""
-    seqs = build_sequences(RecordedCalls.from_rows(recorded.calls), tokenizer.pad_token_id)
+    seqs = build_sequences(columns, tokenizer.pad_token_id)
     w_hat = served_weights(tiny_model)
     token_logprobs(tiny_model, seqs, w_hat=w_hat).logprobs.sum().backward()
     holder = copy.deepcopy(tiny_model)

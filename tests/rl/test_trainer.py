@@ -114,40 +114,36 @@ def test_loss_is_the_documented_aggregation(tiny_model, recorded, tokenizer):
     assert abs(rows[0]["loss"] - expected) < 1e-5
 
 
-def test_resumed_training_equals_uninterrupted(tiny_model, recorded, tmp_path):
+def test_resumed_training_equals_uninterrupted(tiny_model, recorded, columns, tmp_path):
     adv = _advantages(recorded, batch_size=4)  # two minibatches -> two steps
     cfg = TrainerConfig(steps=2, batch_size=4, lr=1e-2, warmup_steps=3)  # warm-up spans both rounds
     straight = copy.deepcopy(tiny_model)
     opt = make_optimizer(straight, cfg, None)
-    train_round(straight, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0)
-    train_round(straight, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0, first_step=2)
+    train_round(straight, opt, columns, adv, cfg, pad_id=0)
+    train_round(straight, opt, columns, adv, cfg, pad_id=0, first_step=2)
 
     resumed = copy.deepcopy(tiny_model)
     opt = make_optimizer(resumed, cfg, None)
-    rows = train_round(resumed, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0)
+    rows = train_round(resumed, opt, columns, adv, cfg, pad_id=0)
     assert [r["lr"] for r in rows] == pytest.approx([1e-2 / 3, 2e-2 / 3])
     save_checkpoint(tmp_path / "ck", resumed, opt.state_dict(), {"step": rows[-1]["step"]})
     save_checkpoint(tmp_path / "ck", resumed, opt.state_dict(), {"step": rows[-1]["step"]})  # atomic replace
     model, opt_state, meta = load_checkpoint(tmp_path / "ck")
     assert meta["step"] == 2 and not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
     opt = make_optimizer(model, cfg, opt_state)
-    rows = train_round(
-        model, opt, RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0, first_step=meta["step"]
-    )
+    rows = train_round(model, opt, columns, adv, cfg, pad_id=0, first_step=meta["step"])
     assert rows[-1]["step"] == 4 and [r["lr"] for r in rows] == pytest.approx([1e-2, 1e-2])
     for (name, a), b in zip(straight.state_dict().items(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("qat", [False, True])
-def test_first_step_has_no_staleness(tiny_model, recorded, qat):
+def test_first_step_has_no_staleness(tiny_model, recorded, columns, qat):
     """pi_k is the policy the first step starts from, computed the way the step computes pi (with
     QAT: through the served NVFP4 weights), so the first step's staleness is exactly 0."""
     adv = _advantages(recorded, batch_size=4)
     model, cfg = copy.deepcopy(tiny_model), TrainerConfig(steps=2, batch_size=4, qat=qat)
-    rows = train_round(
-        model, make_optimizer(model, cfg, None), RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0
-    )
+    rows = train_round(model, make_optimizer(model, cfg, None), columns, adv, cfg, pad_id=0)
     assert rows[1]["staleness"] > 0
     assert rows[0]["staleness"] == 0.0
     assert (
@@ -210,14 +206,14 @@ def test_recorded_lab_calls_on_policy_model_the_tail_exactly(tiny_model, tokeniz
     torch.testing.assert_close(lp.tail_logprobs[sampled].exp(), mu_tail.float(), rtol=1e-4, atol=2e-6)
 
 
-def test_gradients_are_clipped_to_the_configured_norm(tiny_model, recorded):
+def test_gradients_are_clipped_to_the_configured_norm(tiny_model, recorded, columns):
     """Adam's first moment after one step is (1 - beta1) * g: its norm shows the clipped gradient."""
     adv = _advantages(recorded, batch_size=4)
     for clip in (1e-4, 0.0):  # 0 disables clipping
         model = copy.deepcopy(tiny_model)
         cfg = TrainerConfig(steps=1, batch_size=4, grad_clip=clip)
         opt = make_optimizer(model, cfg, None)
-        (row,) = train_round(model, opt, RecordedCalls.from_rows(recorded.calls), adv[:4], cfg, pad_id=0)
+        (row,) = train_round(model, opt, columns, adv[:4], cfg, pad_id=0)
         first_moment = torch.sqrt(sum((s["exp_avg"] ** 2).sum() for s in opt.state.values()))
         applied = float(first_moment) / (1 - cfg.beta1)
         assert row["grad_norm"] > 1e-3  # the gradient the step computed, before clipping
@@ -274,7 +270,7 @@ def test_a_stored_optimizer_state_continues_under_this_rounds_hyperparameters(ti
     )
 
 
-def test_step_diagnostics_summarize_every_microbatch_of_the_step(tiny_model, recorded):
+def test_step_diagnostics_summarize_every_microbatch_of_the_step(tiny_model, recorded, columns):
     """Each step's diagnostics cover all of its tokens, over several microbatches (two calls each):
     on policy, pi = pi_k = mu at the first step, so the total mismatch is the engine's (both ~0); a
     cap below every IS ratio (all 1 on policy) truncates every token; a PPO clip of 1e-6 clips none
@@ -285,9 +281,7 @@ def test_step_diagnostics_summarize_every_microbatch_of_the_step(tiny_model, rec
         copy.deepcopy(tiny_model),
         TrainerConfig(steps=2, batch_size=4, lr=5e-2, microbatch_calls=2, estimator=tis),
     )
-    rows = train_round(
-        model, make_optimizer(model, cfg, None), RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0
-    )
+    rows = train_round(model, make_optimizer(model, cfg, None), columns, adv, cfg, pad_id=0)
     assert rows[0]["total_mismatch"] == pytest.approx(rows[0]["engine_mismatch"], abs=1e-7)
     assert rows[0]["total_mismatch"] < ENGINE_VS_TRAINER_ATOL
     assert [r["rho_truncated_fraction"] for r in rows] == [1.0, 1.0]
@@ -306,39 +300,24 @@ def test_the_trust_region_counts_the_trajectories_it_drops_over_every_microbatch
         copy.deepcopy(tiny_model),
         TrainerConfig(steps=1, batch_size=4, microbatch_calls=2, estimator=tr),
     )
-    [row] = train_round(
-        model, make_optimizer(model, cfg, None), RecordedCalls.from_rows(recorded.calls), adv, cfg, pad_id=0
-    )
+    calls = RecordedCalls.from_rows(recorded.calls)
+    [row] = train_round(model, make_optimizer(model, cfg, None), calls, adv, cfg, pad_id=0)
     assert row["dropped_trajectories"] == 4
     assert row["engine_mismatch"] == pytest.approx(0.3, abs=1e-4)
 
 
-def test_inputs_the_trainer_cannot_use_are_refused_with_the_reason(tiny_model, recorded):
+def test_inputs_the_trainer_cannot_use_are_refused_with_the_reason(tiny_model, recorded, columns):
     adv = _advantages(recorded, batch_size=4)
     model = copy.deepcopy(tiny_model)
     ref = TrainerConfig(steps=2, batch_size=4, estimator=EstimatorConfig(type="ref_is"))
     with pytest.raises(
         ValueError, match=r"^estimator ref_is needs reference log-probs from the dequantized deployment$"
     ):
-        train_round(
-            model,
-            make_optimizer(model, ref, None),
-            RecordedCalls.from_rows(recorded.calls),
-            adv,
-            ref,
-            pad_id=0,
-        )
+        train_round(model, make_optimizer(model, ref, None), columns, adv, ref, pad_id=0)
     cfg = TrainerConfig(steps=2, batch_size=4)
     orphan = [*adv, {**adv[0], "trajectory_id": "nobody"}]
     with pytest.raises(ValueError, match=r"^trajectory nobody has an advantage but no calls$"):
-        train_round(
-            model,
-            make_optimizer(model, cfg, None),
-            RecordedCalls.from_rows(recorded.calls),
-            orphan,
-            cfg,
-            pad_id=0,
-        )
+        train_round(model, make_optimizer(model, cfg, None), columns, orphan, cfg, pad_id=0)
 
 
 def _call(trajectory: str, index: int, prompt: int, completion: int) -> dict:
@@ -391,7 +370,7 @@ def test_a_new_optimizer_starts_at_the_configured_learning_rate(tiny_model):
     assert (group["lr"], group["betas"]) == (3e-3, (0.8, 0.9))
 
 
-def test_each_step_reports_its_row_exactly_and_hands_it_to_progress(tiny_model, recorded):
+def test_each_step_reports_its_row_exactly_and_hands_it_to_progress(tiny_model, recorded, columns):
     """The per-step row: its fields, the minibatch it trained (trajectories, tokens, mean reward),
     the lag behind the behaviour checkpoint, zero clip and truncation fractions for an estimator
     that neither clips nor truncates, and the learning rate the optimizer actually used."""
@@ -399,15 +378,7 @@ def test_each_step_reports_its_row_exactly_and_hands_it_to_progress(tiny_model, 
     model, cfg = copy.deepcopy(tiny_model), TrainerConfig(steps=2, batch_size=4, lr=1e-3, warmup_steps=10)
     opt, seen = make_optimizer(model, cfg, None), []
     rows = train_round(
-        model,
-        opt,
-        RecordedCalls.from_rows(recorded.calls),
-        adv,
-        cfg,
-        pad_id=0,
-        first_step=5,
-        behaviour_step=3,
-        progress=seen.append,
+        model, opt, columns, adv, cfg, pad_id=0, first_step=5, behaviour_step=3, progress=seen.append
     )
     assert seen == rows and [r["step"] for r in rows] == [6, 7]
     assert set(rows[0]) == {
@@ -438,7 +409,9 @@ def test_each_step_reports_its_row_exactly_and_hands_it_to_progress(tiny_model, 
         (EstimatorConfig(type="token_is", trust_region=True), {"complement_logprobs"}),
     ],
 )
-def test_each_pass_computes_only_the_log_probs_it_reads(tiny_model, recorded, monkeypatch, estimator, reads):
+def test_each_pass_computes_only_the_log_probs_it_reads(
+    tiny_model, recorded, columns, monkeypatch, estimator, reads
+):
     """The pi_k pass asks for no optional output, each step for what its estimator reads and the
     entropy it reports (each output is at least one more pass over [tokens, V])."""
     import prodrl_pipeline.rl.trainer as trainer
@@ -452,14 +425,7 @@ def test_each_pass_computes_only_the_log_probs_it_reads(tiny_model, recorded, mo
     monkeypatch.setattr(trainer, "token_logprobs", recording)
     cfg = TrainerConfig(steps=1, batch_size=4, estimator=estimator)
     model = copy.deepcopy(tiny_model)
-    train_round(
-        model,
-        make_optimizer(model, cfg, None),
-        RecordedCalls.from_rows(recorded.calls),
-        _advantages(recorded, 4)[:4],
-        cfg,
-        0,
-    )
+    train_round(model, make_optimizer(model, cfg, None), columns, _advantages(recorded, 4)[:4], cfg, 0)
     passes = len(asked) // 2  # as many microbatches in the pi_k pass as in the one step
     assert asked == [set()] * passes + [reads | {"entropy"}] * passes and passes >= 1
     assert estimator.reads == reads
