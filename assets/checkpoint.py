@@ -26,7 +26,7 @@ from prodrl_pipeline.rl.resume import (
     load_state,
     logprobs_table,
     save_state,
-    stored_logprobs,
+    stored_pi_k,
 )
 from prodrl_pipeline.rl.retokenize import retokenize_calls
 from prodrl_pipeline.rl.trainer import make_optimizer, policy_logprobs, train_round
@@ -247,15 +247,16 @@ def _train_in_process(
     }
     state = load_state(partial, fingerprint)
     if state is not None:  # pi_k and the reference as stored before the first step
-        stored = tables.read("policy_logprobs", k)
-        round_start = stored_logprobs(stored, lab.experiment, "round_start_logprobs")
-        reference = (
-            stored_logprobs(stored, lab.experiment, "reference_logprobs")
-            if reference_path is not None
-            else None
+        stored = stored_pi_k(
+            tables.read("policy_logprobs", k),
+            lab.experiment,
+            calls,
+            with_reference=reference_path is not None,
         )
-        if not all(c in round_start for c in calls.call_id):
+        if stored is None:
             state = None  # pi_k was not kept (another trainer ran the round since): start over
+        else:
+            round_start, reference = stored
     if state is not None:
         model.load_state_dict(state.model)
         optimizer.load_state_dict(state.optimizer)

@@ -54,3 +54,32 @@ def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     total = int(lengths.sum())
     first = np.repeat(starts - offsets(lengths)[:-1], lengths)
     return first + np.arange(total, dtype=np.int64)
+
+
+def _large(kind: pa.DataType) -> pa.DataType:
+    """`kind` with every list's offsets 64-bit (a column of several chunks may hold more than
+    2^31 values in all, more than 32-bit offsets can address once combined)."""
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return pa.large_list(_large(kind.value_type))
+    if pa.types.is_struct(kind):
+        fields = [kind.field(i) for i in range(kind.num_fields)]
+        return pa.struct([f.with_type(_large(f.type)) for f in fields])
+    return kind
+
+
+def combined(column: pa.ChunkedArray) -> pa.Array:
+    """A table's column as one array, its lists with 64-bit offsets."""
+    return column.cast(_large(column.type)).combine_chunks()
+
+
+def nulls_within(lists: pa.Array, depth: int, outer: bool = True) -> np.ndarray:
+    """Per entry of a `depth`-deep list array: is the list itself (when `outer`), or any list or
+    value inside it, null."""
+    n = len(lists)
+    found = pc.is_null(lists).to_numpy(zero_copy_only=False).copy() if outer else np.zeros(n, dtype=bool)
+    owner, arr = np.arange(n), lists
+    for _ in range(depth):
+        owner = np.repeat(owner, pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False))
+        arr = pc.list_flatten(arr)
+        found |= np.bincount(owner[pc.is_null(arr).to_numpy(zero_copy_only=False)], minlength=n) > 0
+    return found

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prodrl_pipeline.records.ragged import Ragged, offsets, ranges
+from prodrl_pipeline.records.ragged import Ragged, combined, nulls_within, offsets, ranges
 from prodrl_pipeline.records.validate import HEAD_MASS_TOLERANCE
 
 PER_POSITION = {  # the columns with one entry per completion position, and their list depth
@@ -37,7 +37,7 @@ def sound_calls(table: pa.Table) -> np.ndarray:
 
 
 def _column(table: pa.Table, name: str) -> pa.Array:
-    return table.column(name).combine_chunks()
+    return combined(table.column(name))
 
 
 def _numpy(values: pa.Array) -> np.ndarray:
@@ -53,18 +53,6 @@ def _any_per(owner: np.ndarray, flags: np.ndarray, n: int) -> np.ndarray:
     return np.bincount(owner[flags], minlength=n) > 0
 
 
-def _nulls(lists: pa.Array, depth: int, outer_may_be_null: bool = False) -> np.ndarray:
-    """Per call: a null list or value anywhere in its `depth`-deep list column."""
-    n = len(lists)
-    found = np.zeros(n, dtype=bool) if outer_may_be_null else _numpy(pc.is_null(lists)).copy()
-    owner, arr = np.arange(n), lists
-    for _ in range(depth):
-        owner = np.repeat(owner, _lengths(arr))
-        arr = pc.list_flatten(arr)
-        found |= _any_per(owner, _numpy(pc.is_null(arr)), n)
-    return found
-
-
 def _call_problems(table: pa.Table) -> np.ndarray:
     """[calls] a null, an empty prompt or completion, a per-position column of the wrong length,
     an id outside the vocabulary, or sampling outside its ranges."""
@@ -73,12 +61,13 @@ def _call_problems(table: pa.Table) -> np.ndarray:
     bad = _numpy(pc.is_null(vocab_col)) | _numpy(pc.is_null(_column(table, "call_id")))
     vocab = np.nan_to_num(_numpy(vocab_col).astype(np.float64))
     per_call = _lengths(_column(table, "completion_token_ids"))
-    bad |= _nulls(_column(table, "prompt_token_ids"), 1) | _nulls(_column(table, "completion_token_ids"), 1)
+    for name in ("prompt_token_ids", "completion_token_ids"):
+        bad |= nulls_within(_column(table, name), 1)
     for name, depth in PER_POSITION.items():
         lists = _column(table, name)
-        bad |= _nulls(lists, depth) | (_lengths(lists) != per_call)
+        bad |= nulls_within(lists, depth) | (_lengths(lists) != per_call)
     extra = _column(table, "extra_token_ids")
-    bad |= _nulls(extra, 2, outer_may_be_null=True) | ((_lengths(extra) != 0) & (_lengths(extra) != per_call))
+    bad |= nulls_within(extra, 2, outer=False) | ((_lengths(extra) != 0) & (_lengths(extra) != per_call))
     bad |= (per_call == 0) | (_lengths(_column(table, "prompt_token_ids")) == 0)
     for name in ("prompt_token_ids", "completion_token_ids"):
         ids = Ragged.of(_column(table, name), np.float64)

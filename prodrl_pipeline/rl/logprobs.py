@@ -79,7 +79,7 @@ def build_sequences(calls: RecordedCalls, pad_id: int) -> Sequences:
     extra_ids, extra_mask = calls.extra_ids.padded(0)
     if not extra_mask.all():
         raise ValueError("calls of one batch recorded different numbers of extra samples")
-    biases = [calls.bias[r] for r in rows] if any(b is not None for b in calls.bias) else None
+    biases = [calls.bias[r] for r in rows]  # per token: its call's bias (None: no token has one)
     return Sequences(
         torch.from_numpy(ids),
         torch.from_numpy(mask),
@@ -93,7 +93,7 @@ def build_sequences(calls: RecordedCalls, pad_id: int) -> Sequences:
         torch.from_numpy(head_mask),
         torch.from_numpy(head_mu),
         torch.from_numpy(extra_ids),
-        biases,
+        biases if any(b is not None for b in biases) else None,
     )
 
 
@@ -166,7 +166,7 @@ def project_logprobs(
             seqs.head_mask[sl],
             seqs.extra_ids[sl],
             _outside_support(seqs.support[sl], vocab, h.device),
-            bias_matrix(seqs.bias[sl], vocab).to(h.device) if seqs.bias is not None else None,
+            _on(bias_matrix(seqs.bias[sl], vocab) if seqs.bias is not None else None, h.device),
             outputs,
         )
         if torch.is_grad_enabled():
@@ -176,6 +176,10 @@ def project_logprobs(
     return TokenLogprobs(
         *(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs, strict=True))
     )
+
+
+def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return t.to(device) if t is not None else None
 
 
 def _chunk_logprobs(

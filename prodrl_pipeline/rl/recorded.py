@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prodrl_pipeline.records.ragged import Ragged, offsets, ranges
+from prodrl_pipeline.records.ragged import Ragged, combined, nulls_within, offsets, ranges
 from prodrl_pipeline.records.schema import CALLS
 
 
@@ -45,12 +45,15 @@ class RecordedCalls:
     @classmethod
     def from_arrow(cls, table: pa.Table) -> RecordedCalls:
         """From rows of the `calls` table (any further columns are ignored)."""
-        col = {name: table.column(name).combine_chunks() for name in _READ}
+        col = {name: combined(table.column(name)) for name in _READ}
         n = len(table)
         sampling = col["sampling"]
         temperature = pc.struct_field(sampling, "temperature")
         for name, values in [*((name, col[name]) for name in _REQUIRED), ("temperature", temperature)]:
-            _refuse(table, pc.is_null(values).to_numpy(zero_copy_only=False), f"it has no {name}")
+            _refuse(table, _null(values), f"it has no {name}")
+        for name, depth in _LISTS.items():  # a null inside a list would become a number below
+            nulls = nulls_within(col[name], depth, outer=name != "extra_token_ids")
+            _refuse(table, nulls, f"it has a null in {name}")
         completion = Ragged.of(col["completion_token_ids"], np.int64)
         per_call = completion.lengths
 
@@ -58,7 +61,7 @@ class RecordedCalls:
             """A column with one list per completion position, as one list per position; an
             `optional` column may instead be empty for a whole call (its positions get none)."""
             lists = col[name]
-            given = pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False)
+            given = _lengths(lists)
             absent = (given == 0) & (per_call > 0) if optional else np.zeros(n, dtype=bool)
             _refuse(table, (given != per_call) & ~absent)
             inner = Ragged.of(pc.list_flatten(lists), dtype)
@@ -77,11 +80,20 @@ class RecordedCalls:
         head_logprobs = per_position("topk_logprobs", np.float32)
         uneven = head_ids.lengths != head_logprobs.lengths  # per position: to its call
         _refuse(table, np.bincount(np.repeat(np.arange(n), per_call)[uneven], minlength=n) > 0)
-        biased = pc.fill_null(pc.list_value_length(pc.struct_field(sampling, "logit_bias")), 0)
-        bias: list = [None] * n
-        for i in np.flatnonzero(biased.to_numpy(zero_copy_only=False)):
-            entries = sampling[int(i)]["logit_bias"].as_py()
-            bias[i] = ([e["token_id"] for e in entries], [e["bias"] for e in entries])
+        entries = pc.struct_field(sampling, "logit_bias")
+        count = _lengths(entries)
+        entry = pc.list_flatten(entries)
+        token, value = pc.struct_field(entry, "token_id"), pc.struct_field(entry, "bias")
+        missing = _null(entry) | _null(token) | _null(value)
+        _refuse(
+            table,
+            np.bincount(np.repeat(np.arange(n), count)[missing], minlength=n) > 0,
+            "it has a null logit_bias entry",
+        )
+        at, token_ids, biases = offsets(count), token.to_pylist(), value.to_pylist()
+        bias = [
+            (token_ids[at[i] : at[i + 1]], biases[at[i] : at[i + 1]]) if count[i] else None for i in range(n)
+        ]
         return cls(
             call_id=col["call_id"].to_pylist(),
             trajectory_id=col["trajectory_id"].to_pylist(),
@@ -157,7 +169,25 @@ _REQUIRED = (
     "prompt_token_ids",
     "completion_token_ids",
 )
+_LISTS = {  # the list columns read, and how deep their lists go
+    "prompt_token_ids": 1,
+    "completion_token_ids": 1,
+    "completion_logprobs": 1,
+    "support_size": 1,
+    "topk_token_ids": 2,
+    "topk_logprobs": 2,
+    "support_token_ids": 2,
+    "extra_token_ids": 2,  # the one that may be null as a whole (no extra samples)
+}
 _DISAGREE = "its per-position columns disagree in length"
+
+
+def _null(values: pa.Array) -> np.ndarray:
+    return pc.is_null(values).to_numpy(zero_copy_only=False)
+
+
+def _lengths(lists: pa.Array) -> np.ndarray:
+    return pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False)
 
 
 def _refuse(table: pa.Table, bad: np.ndarray, reason: str = _DISAGREE) -> None:

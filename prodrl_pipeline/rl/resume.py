@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import torch
 
 from prodrl_pipeline.folders import replacing
-from prodrl_pipeline.records.ragged import Ragged
+from prodrl_pipeline.records.ragged import Ragged, combined, nulls_within, offsets
 from prodrl_pipeline.records.schema import LOGPROBS, POLICY_LOGPROBS
 from prodrl_pipeline.rl.recorded import RecordedCalls
 
@@ -109,11 +109,11 @@ def logprobs_table(
     Arrow lists built from the tensors' float32 values (bit-exact)."""
 
     def lists(per_call: dict[str, torch.Tensor]) -> pa.ListArray:
-        parts = [per_call[c].detach().cpu().float() for c in call_ids]
-        offsets = np.zeros(len(parts) + 1, dtype=np.int32)
-        np.cumsum([len(p) for p in parts], out=offsets[1:])
-        values = torch.cat(parts).numpy() if parts else np.zeros(0, dtype=np.float32)
-        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.float32()))
+        parts = [per_call[c].detach().float() for c in call_ids]
+        values = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, dtype=np.float32)
+        ends = offsets(np.array([len(p) for p in parts], dtype=np.int64))
+        array = pa.LargeListArray.from_arrays(pa.array(ends), pa.array(values, pa.float32()))
+        return array.cast(LOGPROBS)  # raises, rather than wraps, past 2^31 values
 
     n = len(call_ids)
     return pa.Table.from_arrays(
@@ -128,9 +128,27 @@ def logprobs_table(
     )
 
 
-def stored_logprobs(table: pa.Table, experiment: str, column: str) -> dict[str, torch.Tensor]:
-    """One log-prob column of `policy_logprobs` rows, per call_id, for one experiment."""
+def stored_pi_k(
+    table: pa.Table, experiment: str, calls: RecordedCalls, with_reference: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None] | None:
+    """pi_k (and, `with_reference`, the reference) of every call as `policy_logprobs` rows of
+    `experiment` hold them, per call_id; None unless each call has one complete row (one value per
+    completion token): then they were not kept, and the round starts over."""
     rows = table.filter(pc.equal(table.column("experiment"), experiment))
-    lists = Ragged.of(rows.column(column).combine_chunks(), np.float32)
-    values = torch.from_numpy(lists.values)
-    return dict(zip(rows.column("call_id").to_pylist(), values.split(lists.lengths.tolist()), strict=True))
+    wanted = dict(zip(calls.call_id, calls.completion.lengths.tolist(), strict=True))
+    found = []
+    for column in ("round_start_logprobs", "reference_logprobs")[: 1 + with_reference]:
+        lists = combined(rows.column(column))
+        complete = rows.filter(pa.array(~nulls_within(lists, 1)))
+        values = Ragged.of(combined(complete.column(column)), np.float32)
+        per_call = dict(
+            zip(
+                complete.column("call_id").to_pylist(),
+                torch.from_numpy(values.values).split(values.lengths.tolist()),
+                strict=True,
+            )
+        )
+        if any(c not in per_call or len(per_call[c]) != n for c, n in wanted.items()):
+            return None
+        found.append(per_call)
+    return found[0], found[1] if with_reference else None

@@ -174,6 +174,11 @@ def policy_logprobs(
     return out
 
 
+def _per_token(per_call: list, dtype: torch.dtype, seqs: Sequences) -> torch.Tensor:
+    """[Ntok] each completion token's value, from one value per call of the batch."""
+    return torch.tensor(per_call, dtype=dtype, device=seqs.token_row.device)[seqs.token_row]
+
+
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -259,8 +264,7 @@ def train_round(
         for micro, real in _passes(calls, micros, dp, np.array(by_traj[mb[0]["trajectory_id"]])):
             seqs = build_sequences(micro, pad_id).to(device)
             lp = _token_logprobs(model, seqs, cfg, w_hat, dp, outputs)
-            owner = [micro.trajectory_id[r] for r in seqs.token_row.tolist()]
-            index = {t: i for i, t in enumerate(dict.fromkeys(owner))}
+            index = {t: i for i, t in enumerate(dict.fromkeys(micro.trajectory_id))}
             free = seqs.free
             pi_k = (
                 torch.cat([round_start[c] for c in micro.call_id]).to(device)
@@ -275,8 +279,8 @@ def train_round(
                 logprobs=lp.logprobs,
                 deployment_logprobs=mu,
                 round_start_logprobs=pi_k,
-                advantages=torch.tensor([adv[t] for t in owner], dtype=torch.float32, device=device),
-                trajectory=torch.tensor([index[t] for t in owner], device=device),
+                advantages=_per_token([adv[t] for t in micro.trajectory_id], torch.float32, seqs),
+                trajectory=_per_token([index[t] for t in micro.trajectory_id], torch.long, seqs),
                 free=free,
                 head_logprobs=lp.head_logprobs,
                 tail_logprobs=lp.tail_logprobs,
@@ -287,7 +291,11 @@ def train_round(
                 if reference
                 else None,
             )
-            weight = torch.tensor([1.0 / (n_traj * length[t]) if real else 0.0 for t in owner], device=device)
+            weight = _per_token(
+                [1.0 / (n_traj * length[t]) if real else 0.0 for t in micro.trajectory_id],
+                torch.float32,
+                seqs,
+            )
             j, diag = objective(x, est)
             loss = aggregate(j, weight)
             (loss * dp.world if dp else loss).backward()  # FSDP2 averages over ranks: this sums
@@ -304,7 +312,8 @@ def train_round(
                 continue
             loss_total += loss.item()
             if "dropped" in diag:
-                dropped |= {t for t, d in zip(owner, diag["dropped"].tolist(), strict=True) if d}
+                names = list(index)
+                dropped |= {names[i] for i in x.trajectory[diag["dropped"]].unique().tolist()}
         clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # DTensor under dp

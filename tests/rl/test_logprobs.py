@@ -97,6 +97,11 @@ def test_the_trainer_evaluates_pi_as_served_with_the_recorded_logit_bias(
     )
     gap = (ignored.logprobs[free] - seqs.deployment_logprobs[free]).abs().max()
     assert gap > 0.1  # dropping the bias would train against a distribution nobody served
+    mixed = build_sequences(RecordedCalls.from_rows([*unbiased, *calls]), tokenizer.pad_token_id)
+    with torch.no_grad():
+        for chunk in (3, 4096):  # chunks of unbiased tokens only, and a chunk of both kinds
+            got = token_logprobs(tiny_model, mixed, chunk_tokens=chunk).logprobs
+            torch.testing.assert_close(got, torch.cat([ignored.logprobs, served.logprobs]), rtol=0, atol=1e-5)
 
 
 def test_calls_with_different_numbers_of_extra_samples_are_not_batched(recorded):
