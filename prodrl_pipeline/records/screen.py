@@ -82,8 +82,9 @@ def _sampling_problems(sampling: pa.StructArray, vocab: np.ndarray) -> np.ndarra
 
     temperature, top_p, top_k = (field(sampling, k) for k in ("temperature", "top_p", "top_k"))
     bad = _numpy(pc.is_null(sampling)) | ~(np.isfinite(temperature) & (temperature > 0))
-    bad |= ~np.isnan(top_p) & ~((top_p > 0) & (top_p <= 1))
-    bad |= ~np.isnan(top_k) & (top_k < 0)
+    given = {k: ~_numpy(pc.is_null(pc.struct_field(sampling, k))) for k in ("top_p", "top_k")}  # NaN is given
+    bad |= given["top_p"] & ~((top_p > 0) & (top_p <= 1))
+    bad |= given["top_k"] & ~(top_k >= 0)
     entries = pc.struct_field(sampling, "logit_bias")
     owner = np.repeat(np.arange(len(vocab)), _lengths(entries))
     flat = pc.list_flatten(entries)
@@ -121,7 +122,7 @@ def _position_problems(table: pa.Table) -> np.ndarray:
             at = np.repeat(np.arange(len(k)), ids.lengths)
             bad |= _any_per(at, (ids.values < 0) | (ids.values >= vocab[at]), len(k))
             if ids is not extra:
-                bad |= _repeated(ids, at, vocab)
+                bad |= _repeated(ids, vocab)
         at = np.repeat(np.arange(len(k)), head_lp.lengths)
         bad |= _any_per(at, ~np.isfinite(head_lp.values) | (head_lp.values > HEAD_MASS_TOLERANCE), len(k))
         bad |= _head_mass(head_lp) > HEAD_MASS_TOLERANCE - MARGIN
@@ -144,12 +145,22 @@ def _extras(lists: pa.Array, per_call: np.ndarray) -> Ragged:
     return Ragged(inner.values, offsets(lengths))
 
 
-def _repeated(ids: Ragged, at: np.ndarray, vocab: np.ndarray) -> np.ndarray:
+def _keyed(ids: Ragged, vocab: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(key, position) of each id inside [0, its position's vocabulary), key = position * stride +
+    id: unique per (position, id). An id outside is flagged by the range rule; keyed, it could
+    name another position's id."""
+    at = np.repeat(np.arange(len(ids.lengths)), ids.lengths)
+    inside = (ids.values >= 0) & (ids.values < vocab[at])
+    return at[inside] * (int(vocab.max(initial=0)) + 1) + ids.values[inside], at[inside]
+
+
+def _repeated(ids: Ragged, vocab: np.ndarray) -> np.ndarray:
     """[positions] an id that appears twice in the position's list."""
-    keys = np.sort(at * (int(vocab.max(initial=0)) + 1) + ids.values)
-    twice = keys[1:] == keys[:-1]
+    keys, at = _keyed(ids, vocab)
+    order = np.argsort(keys, kind="stable")
+    twice = keys[order][1:] == keys[order][:-1]
     out = np.zeros(len(ids.lengths), dtype=bool)
-    out[keys[1:][twice] // (int(vocab.max(initial=0)) + 1)] = True
+    out[at[order][1:][twice]] = True
     return out
 
 
@@ -173,17 +184,16 @@ def _outside_support(
     n = len(token)
     restricted = size < vocab
     in_head = size <= head.lengths
-    stride = int(vocab.max(initial=0)) + 1
 
-    def keys(ids: Ragged, where: np.ndarray) -> np.ndarray:
-        at = np.repeat(np.arange(n), ids.lengths)
-        return (at * stride + ids.values)[where[at]]
+    def keys(ids: Ragged, where: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        key, at = _keyed(ids, vocab)
+        return key[where[at]], at[where[at]]
 
-    kept = np.concatenate([keys(head, restricted & in_head), keys(support, restricted & ~in_head)])
+    kept = np.concatenate([keys(head, restricted & in_head)[0], keys(support, restricted & ~in_head)[0]])
     one = Ragged(token, np.arange(n + 1))
     asked = [(one, restricted), (extra, restricted), (head, restricted & ~in_head)]
     out = np.zeros(n, dtype=bool)
     for ids, where in asked:
-        query = keys(ids, where)
-        out[query[~np.isin(query, kept)] // stride] = True
+        query, at = keys(ids, where)
+        out[at[~np.isin(query, kept)]] = True
     return out

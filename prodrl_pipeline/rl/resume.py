@@ -17,6 +17,7 @@ import hashlib
 import json
 import pickle
 import shutil
+from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -133,9 +134,12 @@ def stored_pi_k(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None] | None:
     """pi_k (and, `with_reference`, the reference) of every call as `policy_logprobs` rows of
     `experiment` hold them, per call_id; None unless each call has one complete row (one value per
-    completion token): then they were not kept, and the round starts over."""
+    completion token): else they were not kept as written, and the round starts over."""
     rows = table.filter(pc.equal(table.column("experiment"), experiment))
     wanted = dict(zip(calls.call_id, calls.completion.lengths.tolist(), strict=True))
+    stored = Counter(rows.column("call_id").to_pylist())
+    if any(stored[c] != 1 for c in wanted):  # none, or two that may disagree: not kept as written
+        return None
     found = []
     for column in ("round_start_logprobs", "reference_logprobs")[: 1 + with_reference]:
         lists = combined(rows.column(column))

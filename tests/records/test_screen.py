@@ -62,6 +62,38 @@ def test_sound_calls_at_every_edge_keep_their_verdict():
     assert sound_calls(_table([_call("a"), _call("b")])).all()
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"sampling": {"temperature": 1.0, "top_p": float("nan")}},  # stored NaN, not null
+        {"topk_token_ids": [[4, 6], [2**31 - 1]], "support_size": [3, 10]},  # far outside: no raise
+        {"topk_token_ids": [[-(2**31), 6], [5]], "support_size": [10, 1]},
+        {"extra_token_ids": [[4], [2**31 - 1]]},
+        {"topk_token_ids": [[4, 2**31 - 1], [5]]},
+        {"support_token_ids": [[4, 6, 11], []]},  # just past the vocabulary, in the last position
+    ],
+)
+def test_values_no_rule_expects_are_flagged_without_raising(edit):
+    table = _table([_call("a"), _call("bad") | edit, _call("b")])
+    assert _judged(table) == [True, False, True]
+    assert sound_calls(table).tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize(
+    ("stray", "completion", "stray_first"),
+    [(25, [3, 5], True), (-8, [4, 3], False)],  # V = 10: 25 keys id 3 two positions on, -8 one back
+)
+def test_an_id_outside_the_vocabulary_cannot_vouch_for_another_calls_id(stray, completion, stray_first):
+    """Keys of (position, id) are unique only for ids inside the vocabulary: an id outside, in one
+    call's support, must not count as a kept id of a neighbouring call's position (3 is outside
+    both of B's supports)."""
+    stray_call = _call("A", support_token_ids=[[4, 6, stray], []])
+    neighbour = _call("B", completion_token_ids=completion)
+    table = _table([stray_call, neighbour] if stray_first else [neighbour, stray_call])
+    assert _judged(table) == [False, False]
+    assert sound_calls(table).tolist() == [False, False]
+
+
 @settings(max_examples=300, deadline=None)
 @given(EDITS)
 def test_a_fuzzed_call_the_screen_passes_keeps_every_rule(edits):

@@ -80,3 +80,5 @@ def test_pi_k_is_read_back_bit_exactly_or_not_at_all():
     short = logprobs_table(["a-0", "b-0"], {**pi_k, "b-0": pi_k["b-0"][:1]}, None, 1, "exp")
     assert stored_pi_k(short, "exp", calls, with_reference=False) is None  # one value too few
     assert stored_pi_k(table.slice(0, 1), "exp", calls, with_reference=False) is None  # a call missing
+    twice = pa.concat_tables([table, logprobs_table(["a-0"], pi_k, ref, 1, "exp")])
+    assert stored_pi_k(twice, "exp", calls, with_reference=False) is None  # two rows for a call
