@@ -54,11 +54,13 @@ def test_every_broken_call_a_table_can_hold_is_flagged_among_sound_ones():
     assert held >= 40  # most rules are about values a table can hold
 
 
-def test_sound_calls_at_every_edge_keep_their_verdict():
-    for _, edit in SOUND_EDGES:
+def test_sound_calls_at_every_edge_pass_the_screen_but_the_head_mass_at_its_margin():
+    """Sound by call_problem's verdict, and by the screen's too, except a head whose log-mass sits
+    within the screen's margin of the tolerance (flagged by design, then kept by call_problem)."""
+    for name, edit in SOUND_EDGES:
         table = _table([_call("a") | edit])
         assert _judged(table) == [True]
-        _screen_agrees(table)
+        assert sound_calls(table).tolist() == [name != "head log-prob at the float tolerance"], name
     assert sound_calls(_table([_call("a"), _call("b")])).all()
 
 
