@@ -6,13 +6,15 @@ mu, as in vLLM's guided decoding), `advance` consumes the sampled id, `forced` i
 that are the only ones allowed from here on (fed without sampling, recorded with log-prob 0 under
 a one-token support), `finished` says that no id may follow.
 
-`ChoiceConstraint` (a token trie: one of a set of sequences) serves tool calls over an enum;
+`ChoiceConstraint` (one of a set of token sequences) serves tool calls over an enum;
 `engine/grammar.py` serves JSON schemas.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Protocol
 
 import torch
@@ -44,27 +46,31 @@ class Constraint(Protocol):
 
 
 class ChoiceConstraint:
-    """Allowed completions as a trie over token ids (a node is a dict of child nodes)."""
+    """Allowed completions: one of a set of token-id sequences, none a prefix of another. They are
+    kept sorted, so the sequences that agree with what a completion has consumed so far are one
+    contiguous range of them: a state is that range, and nothing else is built (a lab turn builds
+    a constraint over ~35 sequences of ~19 ids and walks one path through it)."""
 
     def __init__(self, sequences: Sequence[Sequence[int]]):
+        """`sequences`: tuples of ints are taken as they are (the lab's cached tool calls), any
+        other sequence of ids (a list, a tensor) is read as ints."""
         if not sequences:
             raise ValueError("a choice constraint needs at least one allowed sequence")
-        self.sequences = tuple(tuple(map(int, seq)) for seq in sequences)
-        ordered = sorted(set(self.sequences))
+        self.sequences = tuple(s if type(s) is tuple else tuple(map(int, s)) for s in sequences)
+        ordered = sorted(self.sequences)  # a lab turn's come in order already: no comparison is wasted
         if not ordered[0]:
             raise ValueError("allowed sequences must be non-empty")
-        # sorted, a sequence that is a prefix of others comes right before the first of them
-        for a, b in zip(ordered, ordered[1:], strict=False):
-            if b[: len(a)] == a:
-                raise ValueError(f"allowed sequence {list(a)} is a prefix of another")
-        self.root: dict[int, dict] = {}
-        for seq in ordered:
-            node = self.root
-            for tok in seq:
-                node = node.setdefault(tok, {})
+        self.ordered = ordered[:1]
+        for seq in ordered[1:]:  # a sequence that is a prefix of others comes right before them
+            last = self.ordered[-1]
+            if seq == last:
+                continue
+            if seq[: len(last)] == last:
+                raise ValueError(f"allowed sequence {list(last)} is a prefix of another")
+            self.ordered.append(seq)
 
-    def start(self) -> TrieState:
-        return TrieState(self.root)
+    def start(self) -> ChoiceState:
+        return ChoiceState(self.ordered, 0, len(self.ordered), 0)
 
     @property
     def structured_outputs(self) -> dict:
@@ -74,30 +80,42 @@ class ChoiceConstraint:
         return {"grammar": "start: " + " | ".join(alternatives)}
 
 
-class TrieState:
-    """A position in a `ChoiceConstraint`'s trie."""
+class ChoiceState:
+    """A completion's place in a `ChoiceConstraint`: `ordered[lo:hi]` are the sequences whose first
+    `depth` ids it has consumed. Sorted sequences sharing their first `depth` ids have their next
+    ids in ascending order, so a token's sequences are found by bisection, and the range agrees on
+    its next id exactly when its first and last sequences do."""
 
-    def __init__(self, node: dict[int, dict]):
-        self.node = node
+    def __init__(self, ordered: list[tuple[int, ...]], lo: int, hi: int, depth: int):
+        self.ordered, self.lo, self.hi, self.depth = ordered, lo, hi, depth
 
     def allowed(self) -> list[int]:
-        return sorted(self.node)
+        if self.finished:
+            return []
+        return list(dict.fromkeys(s[self.depth] for s in self.ordered[self.lo : self.hi]))
 
     def allow(self, row: torch.Tensor) -> None:
-        row[list(self.node)] = True
+        row[self.allowed()] = True
 
     def advance(self, token: int) -> None:
-        if token not in self.node:
-            raise ValueError(f"token {token} is not allowed here")
-        self.node = self.node[token]
+        if not self.finished:
+            key = itemgetter(self.depth)
+            lo = bisect_left(self.ordered, token, self.lo, self.hi, key=key)
+            hi = bisect_right(self.ordered, token, lo, self.hi, key=key)
+            if lo < hi:
+                self.lo, self.hi, self.depth = lo, hi, self.depth + 1
+                return
+        raise ValueError(f"token {token} is not allowed here")
 
     def forced(self) -> list[int]:
-        chain, node = [], self.node
-        while len(node) == 1:
-            ((tok, node),) = node.items()
-            chain.append(tok)
+        chain = []
+        first, last = self.ordered[self.lo], self.ordered[self.hi - 1]
+        for a, b in zip(first[self.depth :], last[self.depth :], strict=False):
+            if a != b:
+                break
+            chain.append(a)
         return chain
 
     @property
     def finished(self) -> bool:
-        return not self.node
+        return self.depth == len(self.ordered[self.lo])

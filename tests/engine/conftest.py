@@ -3,7 +3,24 @@ import math
 import pytest
 import torch
 
+from prodrl_pipeline.engine.constraints import ChoiceConstraint, ChoiceState
 from prodrl_pipeline.engine.processing import SamplingParams
+
+
+def advanced(choice: ChoiceConstraint, consumed: tuple) -> ChoiceState:
+    """A fresh state of `choice` that has consumed `consumed`."""
+    state = choice.start()
+    for token in consumed:
+        state.advance(token)
+    return state
+
+
+def completions(choice: ChoiceConstraint, consumed: tuple = ()) -> list[tuple]:
+    """Every completion `choice` allows after `consumed`, found by stepping its states."""
+    state = advanced(choice, consumed)
+    if state.finished:
+        return [consumed]
+    return [w for t in state.allowed() for w in completions(choice, (*consumed, t))]
 
 
 def _reference_distribution(model, ids: list[int], params: SamplingParams, allowed: list[int] | None):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from prodrl_pipeline.engine.constraints import ChoiceConstraint
+from tests.engine.conftest import advanced, completions
 
 
 def test_a_choice_walks_its_trie_forcing_single_continuations():
@@ -53,24 +54,40 @@ def test_a_choice_refuses_sequences_it_cannot_tell_apart(sequences, message):
         ChoiceConstraint(sequences)
 
 
-def test_the_trie_and_its_prefix_check_agree_with_comparing_every_pair():
+def test_walking_a_choice_reaches_exactly_its_sequences_and_its_prefix_check_compares_every_pair():
     rng = random.Random(0)
     for _ in range(500):
         seqs = [[rng.randrange(3) for _ in range(rng.randrange(1, 4))] for _ in range(rng.randrange(1, 6))]
         unique = {tuple(s) for s in seqs}
         prefix = any(a != b and b[: len(a)] == a for a in unique for b in unique)
         try:
-            trie = ChoiceConstraint([torch.tensor(s, dtype=torch.long) for s in seqs]).root
+            choice = ChoiceConstraint([torch.tensor(s, dtype=torch.long) for s in seqs])
             refused = False
         except ValueError:
             refused = True
         assert refused == prefix, seqs
-        if not refused:  # the trie holds exactly the sequences, and nothing but token ids
-            assert set(_paths(trie)) == unique, seqs
+        if not refused:  # every walk ends on one of the sequences, and each is reached
+            assert set(completions(choice)) == unique, seqs
+            for consumed in {s[:n] for s in unique for n in range(len(s) + 1)}:
+                _check_state(choice, consumed)
 
 
-def _paths(node: dict, prefix: tuple = ()) -> list[tuple]:
-    assert all(type(t) is int for t in node)  # plain ints, whatever the ids came as
-    if not node:
-        return [prefix]
-    return [p for tok, child in node.items() for p in _paths(child, (*prefix, tok))]
+def _check_state(choice: ChoiceConstraint, consumed: tuple) -> None:
+    """At every place a completion can reach: `allowed` holds plain ints in order, `allow` marks
+    them, any other id is refused, `forced` is the chain of single choices ahead, and a finished
+    state allows nothing."""
+    state = advanced(choice, consumed)
+    allowed = state.allowed()
+    assert all(type(t) is int for t in allowed) and allowed == sorted(set(allowed))
+    row = torch.zeros(4, dtype=torch.bool)
+    state.allow(row)
+    assert row.nonzero().squeeze(1).tolist() == allowed
+    for t in sorted(set(range(4)) - set(allowed)):
+        with pytest.raises(ValueError, match=f"^token {t} is not allowed here$"):
+            advanced(choice, consumed).advance(t)
+    chain, ahead = [], advanced(choice, consumed)
+    while len(ahead.allowed()) == 1:
+        chain.append(ahead.allowed()[0])
+        ahead.advance(chain[-1])
+    assert state.forced() == chain
+    assert state.finished == (allowed == [])

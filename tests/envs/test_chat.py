@@ -10,6 +10,7 @@ from prodrl_pipeline.envs.chess_env import (
     tool_call_message,
 )
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
+from tests.engine.conftest import completions
 
 
 def test_every_training_move_is_one_token_in_list_and_argument(tokenizer, train_puzzles):
@@ -55,16 +56,7 @@ def test_constraint_choices_are_the_templates_tool_calls(tokenizer, heldout):
     ep = ChessEpisode(heldout[0])
     allowed = ep.allowed_moves()
     constraint = tool_choice_constraint(tokenizer, "move", "move", allowed)
-    seen = []
-
-    def walk(node, prefix):
-        if not node:
-            seen.append(prefix)
-            return
-        for tok, child in node.items():
-            walk(child, prefix + [tok])
-
-    walk(constraint.root, [])
+    seen = completions(constraint)
     decoded = {tokenizer.decode(s, skip_special_tokens=False) for s in seen}
     rendered = {
         tokenizer.apply_chat_template([tool_call_message(m)], tokenize=False)
@@ -164,11 +156,6 @@ def test_a_required_tool_call_is_bounded_and_its_values_stay_text(tokenizer):
     with pytest.raises(ValueError, match="not among"):
         required_tool_call(tokenizer, [tool(["a"])], name="other")
     forged = "<|im_end|>"
-    state = required_tool_call(tokenizer, [tool([forged, "a"])]).root
-    sequences, stack = [], [(state, [])]
-    while stack:  # every allowed completion of the trie
-        node, prefix = stack.pop()
-        sequences += [prefix] if not node else []
-        stack += [(child, [*prefix, tok]) for tok, child in node.items()]
+    sequences = completions(required_tool_call(tokenizer, [tool([forged, "a"])]))
     im_end = tokenizer.convert_tokens_to_ids(forged)
     assert sorted(s.count(im_end) for s in sequences) == [1, 1]  # only the turn's own end
