@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
+from itertools import chain
 from operator import itemgetter
 from typing import Protocol
 
@@ -52,11 +53,13 @@ class ChoiceConstraint:
     a constraint over ~35 sequences of ~19 ids and walks one path through it)."""
 
     def __init__(self, sequences: Sequence[Sequence[int]]):
-        """`sequences`: tuples of ints are taken as they are (the lab's cached tool calls), any
-        other sequence of ids (a list, a tensor) is read as ints."""
+        """`sequences` of ids in any form (lists, tensors) are read as plain ints; tuples that hold
+        plain ints already (the lab's cached tool calls) are kept as they are."""
         if not sequences:
             raise ValueError("a choice constraint needs at least one allowed sequence")
         self.sequences = tuple(s if type(s) is tuple else tuple(map(int, s)) for s in sequences)
+        if not set(map(type, chain.from_iterable(self.sequences))) <= {int}:  # e.g. numpy ints, bools
+            self.sequences = tuple(tuple(map(int, s)) for s in self.sequences)
         ordered = sorted(self.sequences)  # a lab turn's come in order already: no comparison is wasted
         if not ordered[0]:
             raise ValueError("allowed sequences must be non-empty")
@@ -90,15 +93,21 @@ class ChoiceState:
         self.ordered, self.lo, self.hi, self.depth = ordered, lo, hi, depth
 
     def allowed(self) -> list[int]:
+        """The distinct next ids, ascending: one bisection per id, not one visit per sequence (a
+        client's enum may keep 1,000 long sequences in range for hundreds of steps)."""
         if self.finished:
             return []
-        return list(dict.fromkeys(s[self.depth] for s in self.ordered[self.lo : self.hi]))
+        key, ids, i = itemgetter(self.depth), [], self.lo
+        while i < self.hi:
+            ids.append(self.ordered[i][self.depth])
+            i = bisect_right(self.ordered, ids[-1], i, self.hi, key=key)
+        return ids
 
     def allow(self, row: torch.Tensor) -> None:
         row[self.allowed()] = True
 
     def advance(self, token: int) -> None:
-        if not self.finished:
+        if type(token) is int and not self.finished:
             key = itemgetter(self.depth)
             lo = bisect_left(self.ordered, token, self.lo, self.hi, key=key)
             hi = bisect_right(self.ordered, token, lo, self.hi, key=key)
@@ -108,13 +117,13 @@ class ChoiceState:
         raise ValueError(f"token {token} is not allowed here")
 
     def forced(self) -> list[int]:
-        chain = []
+        ids = []
         first, last = self.ordered[self.lo], self.ordered[self.hi - 1]
         for a, b in zip(first[self.depth :], last[self.depth :], strict=False):
             if a != b:
                 break
-            chain.append(a)
-        return chain
+            ids.append(a)
+        return ids
 
     @property
     def finished(self) -> bool:

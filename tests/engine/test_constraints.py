@@ -1,15 +1,18 @@
-"""The token trie behind tool-choice constraints, step by step on hand-written sequences."""
+"""The choice constraint behind tool calls over an enum, step by step on hand-written and random sequences."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from prodrl_pipeline.engine.constraints import ChoiceConstraint
 from tests.engine.conftest import advanced, completions
 
+IDS = (8, 7, 6)
 
-def test_a_choice_walks_its_trie_forcing_single_continuations():
+
+def test_a_choice_walks_its_sequences_forcing_single_continuations():
     c = ChoiceConstraint([[5, 1, 2], [5, 1, 3, 4], [7]])
     s = c.start()
     assert s.allowed() == [5, 7] and s.forced() == [] and not s.finished
@@ -56,8 +59,8 @@ def test_a_choice_refuses_sequences_it_cannot_tell_apart(sequences, message):
 
 def test_walking_a_choice_reaches_exactly_its_sequences_and_its_prefix_check_compares_every_pair():
     rng = random.Random(0)
-    for _ in range(500):
-        seqs = [[rng.randrange(3) for _ in range(rng.randrange(1, 4))] for _ in range(rng.randrange(1, 6))]
+    for _ in range(500):  # ids a small set of ints iterates out of order (8 wraps to its first slot)
+        seqs = [[rng.choice(IDS) for _ in range(rng.randrange(1, 4))] for _ in range(rng.randrange(1, 6))]
         unique = {tuple(s) for s in seqs}
         prefix = any(a != b and b[: len(a)] == a for a in unique for b in unique)
         try:
@@ -79,10 +82,10 @@ def _check_state(choice: ChoiceConstraint, consumed: tuple) -> None:
     state = advanced(choice, consumed)
     allowed = state.allowed()
     assert all(type(t) is int for t in allowed) and allowed == sorted(set(allowed))
-    row = torch.zeros(4, dtype=torch.bool)
+    row = torch.zeros(max(IDS) + 1, dtype=torch.bool)
     state.allow(row)
     assert row.nonzero().squeeze(1).tolist() == allowed
-    for t in sorted(set(range(4)) - set(allowed)):
+    for t in sorted(set(range(max(IDS) + 2)) - set(allowed)):
         with pytest.raises(ValueError, match=f"^token {t} is not allowed here$"):
             advanced(choice, consumed).advance(t)
     chain, ahead = [], advanced(choice, consumed)
@@ -91,3 +94,17 @@ def _check_state(choice: ChoiceConstraint, consumed: tuple) -> None:
         ahead.advance(chain[-1])
     assert state.forced() == chain
     assert state.finished == (allowed == [])
+
+
+def test_ids_of_any_type_are_read_as_plain_ints_and_only_ints_advance():
+    choice = ChoiceConstraint([(np.int64(5), 1), (True, 2), [torch.tensor(7)]])
+    assert choice.sequences == ((5, 1), (1, 2), (7,))
+    assert all(type(t) is int for s in choice.sequences for t in s)
+    assert choice.structured_outputs == {"grammar": "start: <[5]> <[1]> | <[1]> <[2]> | <[7]>"}
+    state = choice.start()
+    assert state.allowed() == [1, 5, 7] and all(type(t) is int for t in state.allowed())
+    for token in (5.0, True, np.int64(5), torch.tensor(5), None, "5"):
+        with pytest.raises(ValueError, match="is not allowed here$"):
+            choice.start().advance(token)
+    state.advance(5)
+    assert state.forced() == [1] and type(state.forced()[0]) is int
