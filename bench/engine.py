@@ -26,7 +26,8 @@ import torch
 
 from bench.ratios import Ratio, alternate, report
 from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import Request, TorchEngine, _Batch
+from prodrl_pipeline.engine.rows import Request, Rows
+from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import load_tokenizer, render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
@@ -39,8 +40,8 @@ def _engine_tokens(engine: TorchEngine, prompts: list[list[int]], new_tokens: in
     return sum(len(c.token_ids) for c in done)
 
 
-def _ids_only(batch: _Batch, logp, sampled, extra) -> list[int]:  # noqa: ANN001
-    """`_Batch.record_sampled` with the recording stubbed out: each live row keeps its id alone."""
+def _ids_only(batch: Rows, logp, sampled, extra) -> list[int]:  # noqa: ANN001
+    """`Rows.record_sampled` with the recording stubbed out: each live row keeps its id alone."""
     toks = sampled.tolist()
     for i, tok in enumerate(toks):
         if not batch.done[i]:
@@ -50,12 +51,12 @@ def _ids_only(batch: _Batch, logp, sampled, extra) -> list[int]:  # noqa: ANN001
 
 @contextmanager
 def _unrecorded():
-    recorded = _Batch.record_sampled
-    _Batch.record_sampled = _ids_only
+    recorded = Rows.record_sampled
+    Rows.record_sampled = _ids_only
     try:
         yield
     finally:
-        _Batch.record_sampled = recorded
+        Rows.record_sampled = recorded
 
 
 def _hf_tokens(model, prompts: list[list[int]], new_tokens: int, pad_id: int, eos_id: int) -> int:

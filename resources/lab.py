@@ -11,7 +11,8 @@ from dagster import ConfigurableResource, InitResourceContext
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import TorchEngine, check_recording
+from prodrl_pipeline.engine.rows import check_recording
+from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.puzzles import Puzzle

@@ -1,57 +1,19 @@
 """The embedded deployment engine: batched sampling with a KV cache, recording like vLLM.
 
-For every position of every completion it records what the data contract (docs/tables.md) asks:
-the sampled id, its log-prob under the processed distribution mu (after the logit bias, the
-structured-output mask, temperature, top-k, top-p), the top-K head of mu (forced tokens: one
-entry, log-prob 0), the kept support when sampling was restricted (`support_size` tokens were
-kept; if that is more than the head holds and less than the vocabulary, `support_ids` lists them
-all), and optionally M extra tokens drawn from the same mu at the same time (score centering's
-samples form).
-"""
+`TorchEngine.generate` completes a batch of requests; a `Decoder` is a running batch that admits
+requests between its steps (the gateway's continuous batching). Each step processes the logits into
+mu (logit bias, structured-output mask, temperature, top-k, top-p: `engine/processing.py`), draws
+from it, and hands the draws to the rows, which record them as the data contract asks
+(`engine/rows.py`, docs/tables.md)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from transformers import Cache, PreTrainedModel
 
-from prodrl_pipeline.engine.constraints import Constraint
 from prodrl_pipeline.engine.kv_cache import growing_cache, left_pad, stacked
 from prodrl_pipeline.engine.processing import SamplingParams, bias_matrix, processed_logprobs
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    """`params.seed` set: this request samples from its own generator (batch-independent)."""
-    constraint: Constraint | None = None
-    on_token: Callable[[list[int]], bool] | None = None
-    """Called on the engine thread with the completion's ids after each token (streaming, stop
-    strings, a client that left); True ends the completion (finish_reason "stop")."""
-
-
-@dataclass
-class Completion:
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    topk_ids: list[list[int]] = field(default_factory=list)
-    topk_logprobs: list[list[float]] = field(default_factory=list)
-    support_size: list[int] = field(default_factory=list)
-    support_ids: list[list[int]] = field(default_factory=list)
-    extra_ids: list[list[int]] = field(default_factory=list)
-    finish_reason: str = "length"
-
-
-def check_recording(top_logprobs: int, extra_samples: int) -> None:
-    """ValueError unless the recorded head has K >= 1 entries and extra samples are >= 0."""
-    if not top_logprobs >= 1:
-        raise ValueError(f"top_logprobs must be >= 1, got {top_logprobs}")
-    if not extra_samples >= 0:
-        raise ValueError(f"extra_samples must be >= 0, got {extra_samples}")
-
+from prodrl_pipeline.engine.rows import Completion, Request, Rows, check_recording
 
 PREFILL_ROWS = 32
 """Prompts prefilled per forward pass when many are admitted at once: sorted by length and grouped,
@@ -106,7 +68,7 @@ class Decoder:
     def __init__(self, engine: TorchEngine, seed: int | None):
         self.engine = engine
         self.gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.rows = _Batch(
+        self.rows = Rows(
             [], engine.vocab_size, engine.eos_id, engine.pad_id, engine.top_logprobs, engine.extra_samples
         )
         self.own: list[torch.Generator | None] = []
@@ -131,7 +93,7 @@ class Decoder:
         biases = [_bias(r.params, self.engine.vocab_size) for r in requests]  # checked before any change
         if len(self):
             self._forward()
-        new = _Batch(requests, *self.rows.config())
+        new = Rows(requests, *self.rows.config())
         forced = new.force_common()
         prompts = [r.prompt_ids + f for r, f in zip(requests, forced, strict=True)]
         # prefill in groups of similar length (each padded to its own longest), rows back in order
@@ -164,7 +126,7 @@ class Decoder:
         return result.cache, mask, result.logits[:, -1, :]
 
     def _join(
-        self, new: _Batch, cache: Cache, mask: torch.Tensor, logits: torch.Tensor, requests, biases
+        self, new: Rows, cache: Cache, mask: torch.Tensor, logits: torch.Tensor, requests, biases
     ) -> None:  # noqa: ANN001
         if self.cache is None or not len(self):
             self.cache, self.mask, self.logits = cache, mask, logits
@@ -290,148 +252,3 @@ def _bias(params: SamplingParams, vocab_size: int) -> tuple[tuple[int, ...], tup
     if max(ids) >= vocab_size:
         raise ValueError(f"logit_bias names token {max(ids)}, outside the vocabulary of {vocab_size}")
     return ids, biases
-
-
-class _Batch:
-    """Per-request decoding state of a batch: constraint states, outputs, done flags."""
-
-    def __init__(
-        self,
-        requests: list[Request],
-        vocab_size: int,
-        eos_id: int,
-        pad_id: int,
-        top_logprobs: int,
-        extra_samples: int,
-    ):
-        self.requests, self.vocab_size = list(requests), vocab_size
-        self.eos_id, self.pad_id, self.top_logprobs = eos_id, pad_id, top_logprobs
-        self.extra_samples = extra_samples
-        self.states = [r.constraint.start() if r.constraint else None for r in requests]
-        self.out = [Completion() for _ in requests]
-        self.done = [False] * len(requests)
-        self.errors: list[Exception | None] = [None] * len(requests)
-
-    def config(self) -> tuple[int, int, int, int, int]:
-        return self.vocab_size, self.eos_id, self.pad_id, self.top_logprobs, self.extra_samples
-
-    def extend(self, other: _Batch) -> None:
-        self.requests += other.requests
-        self.states += other.states
-        self.out += other.out
-        self.done += other.done
-        self.errors += other.errors
-
-    def select(self, rows: list[int]) -> None:
-        self.requests = [self.requests[i] for i in rows]
-        self.states = [self.states[i] for i in rows]
-        self.out = [self.out[i] for i in rows]
-        self.done = [self.done[i] for i in rows]
-        self.errors = [self.errors[i] for i in rows]
-
-    def allowed_mask(self) -> torch.Tensor | None:  # [N, V] bool
-        if all(s is None for s in self.states):
-            return None
-        allowed = torch.ones((len(self.states), self.vocab_size), dtype=torch.bool)
-        for i, s in enumerate(self.states):
-            if s is not None and not self.done[i]:
-                allowed[i] = False
-                try:
-                    s.allow(allowed[i])
-                except Exception as e:  # noqa: BLE001 - a constraint that fails ends its own row
-                    self.fail(i, e)
-        return allowed
-
-    def record_sampled(self, logp: torch.Tensor, sampled: torch.Tensor, extra: torch.Tensor) -> list[int]:
-        """Append each live row's sampled token with its record; the sampled ids as a list. The
-        batch's tensors become lists in a few calls (not a few per row): a busy gateway's engine
-        thread re-takes the GIL after every torch call."""
-        k = min(self.top_logprobs, self.vocab_size)
-        head_lp, head_ids = logp.topk(k, dim=-1)  # [N, K]
-        if bool(logp.amin() > float("-inf")):  # nothing removed anywhere (one cheap pass): all kept
-            kept_mask, kept = None, [self.vocab_size] * len(self.done)
-        else:  # the kept support (a broken row's NaNs are never recorded)
-            kept_mask = logp > float("-inf")
-            kept = kept_mask.sum(-1).tolist()
-        toks = sampled.tolist()
-        lps = logp.gather(1, sampled[:, None]).squeeze(1).tolist()
-        heads, head_lps, extras = head_ids.tolist(), head_lp.tolist(), extra.tolist()
-        for i, (tok, size) in enumerate(zip(toks, kept, strict=True)):
-            if self.done[i]:
-                continue
-            n_head = min(k, size)
-            stored = n_head < size < self.vocab_size
-            support = kept_mask[i].nonzero().squeeze(1).tolist() if stored else []
-            self.append(i, tok, lps[i], heads[i][:n_head], head_lps[i][:n_head], size, support, extras[i])
-        return toks
-
-    def force_common(self) -> list[list[int]]:
-        """Append to every unfinished row the same number m of forced tokens (m = the shortest
-        forced chain among them, so the next forward pass stays rectangular)."""
-        chains: dict[int, list[int]] = {}
-        for i, s in enumerate(self.states):
-            if self.done[i] or s is None:
-                chains[i] = []
-                continue
-            room = self.requests[i].params.max_tokens - len(self.out[i].token_ids)
-            try:
-                chains[i] = s.forced()[:room]
-            except Exception as e:  # noqa: BLE001 - a constraint that fails ends its own row
-                self.fail(i, e)
-        m = min((len(c) for i, c in chains.items() if not self.done[i]), default=0)
-        out = []
-        for i in range(len(self.states)):
-            chain = []
-            for tok in chains.get(i, [])[:m]:
-                if self.done[i]:  # ended (its on_token callback) inside the chain
-                    break
-                self.append(i, tok, 0.0, [tok], [0.0], 1, [], [tok] * self.extra_samples)
-                chain.append(tok)
-            out.append(chain + [self.pad_id] * (m - len(chain)))
-        return out
-
-    def append(
-        self,
-        i: int,
-        tok: int,
-        logprob: float,
-        head_ids: list[int],
-        head_lp: list[float],
-        support_size: int,
-        support_ids: list[int],
-        extra_ids: list[int],
-    ) -> None:
-        c = self.out[i]
-        c.token_ids.append(tok)
-        c.logprobs.append(logprob)
-        c.topk_ids.append(head_ids)
-        c.topk_logprobs.append(head_lp)
-        c.support_size.append(support_size)
-        c.support_ids.append(support_ids)
-        c.extra_ids.append(extra_ids)
-        state = self.states[i]
-        if state is not None:
-            try:
-                state.advance(tok)
-            except Exception as e:  # noqa: BLE001
-                self.fail(i, e)
-                return
-        if tok == self.eos_id or (state is not None and state.finished) or self._on_token(i):
-            self.done[i], c.finish_reason = True, "stop"
-        elif len(c.token_ids) >= self.requests[i].params.max_tokens:
-            self.done[i] = True
-
-    def fail(self, i: int, error: Exception) -> None:
-        """End row i with `error` (reported to its request alone)."""
-        self.done[i], self.errors[i] = True, error
-
-    def _on_token(self, i: int) -> bool:
-        """The row's callback; one that raises ends only its own row (the error is kept)."""
-        on_token = self.requests[i].on_token
-        if on_token is None:
-            return False
-        try:
-            return bool(on_token(self.out[i].token_ids))
-        except Exception as e:  # noqa: BLE001 - reported to that request alone
-            self.errors[i] = e
-            return True

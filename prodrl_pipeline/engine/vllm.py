@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from prodrl_pipeline.engine.constraints import Constraint
-from prodrl_pipeline.engine.sampler import Completion, Request
+from prodrl_pipeline.engine.rows import Completion, Request
 
 FILTERED = -9999.0  # vLLM's serialization of -inf
 

@@ -10,7 +10,8 @@ import threading
 import time
 from concurrent.futures import Future
 
-from prodrl_pipeline.engine.sampler import Completion, Request, TorchEngine
+from prodrl_pipeline.engine.rows import Completion, Request
+from prodrl_pipeline.engine.sampler import TorchEngine
 
 Item = tuple[Request, Future]
 

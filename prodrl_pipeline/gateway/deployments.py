@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import Request
+from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.records.store import DeltaStore
 

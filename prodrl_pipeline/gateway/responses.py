@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.constraints import ConstraintError
-from prodrl_pipeline.engine.sampler import Completion
+from prodrl_pipeline.engine.rows import Completion
 from prodrl_pipeline.gateway.errors import error_body
 
 

@@ -21,8 +21,8 @@ from transformers import PreTrainedTokenizerBase
 from prodrl_pipeline.engine.constraints import Constraint
 from prodrl_pipeline.engine.grammar import GrammarConstraint
 from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import Completion
-from prodrl_pipeline.engine.sampler import Request as EngineRequest
+from prodrl_pipeline.engine.rows import Completion
+from prodrl_pipeline.engine.rows import Request as EngineRequest
 from prodrl_pipeline.envs.chat import TOOL_CALL_OPEN
 from prodrl_pipeline.envs.tool_choice import required_tool_call
 from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower, Loaded

@@ -5,7 +5,8 @@ import pytest
 from prodrl_pipeline.engine.constraints import ConstraintError
 from prodrl_pipeline.engine.grammar import GrammarConstraint
 from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import Request, TorchEngine
+from prodrl_pipeline.engine.rows import Request
+from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import render_ids
 
 SCHEMA = {

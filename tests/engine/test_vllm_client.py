@@ -13,7 +13,7 @@ import torch
 from prodrl_pipeline.engine.constraints import ChoiceConstraint
 from prodrl_pipeline.engine.grammar import GrammarConstraint, _ll_tokenizer
 from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import Request
+from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.engine.vllm import FILTERED, VLLMEngine, WeightVersionError, structured_outputs
 from prodrl_pipeline.engine.vllm_server import (
     distance,

@@ -4,7 +4,8 @@ fails only itself."""
 from concurrent.futures import Future
 
 from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.sampler import Request, TorchEngine
+from prodrl_pipeline.engine.rows import Request
+from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 
 

@@ -156,7 +156,8 @@ def test_is_ratios_renormalize_over_a_top_k_or_top_p_support(tiny_model, tokeniz
     full-vocabulary pi with the processed (renormalized) mu sees log sum_S pi < 0 instead: the
     log-mass bias."""
     from prodrl_pipeline.engine.processing import SamplingParams
-    from prodrl_pipeline.engine.sampler import Request, TorchEngine
+    from prodrl_pipeline.engine.rows import Request
+    from prodrl_pipeline.engine.sampler import TorchEngine
     from prodrl_pipeline.envs.chat import render_ids
     from prodrl_pipeline.envs.chess_env import ChessEpisode
 

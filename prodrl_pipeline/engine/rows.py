@@ -1,0 +1,196 @@
+"""The embedded engine's rows: what a request asks (`Request`), what is recorded for it
+(`Completion`, the data contract's per-position fields, docs/tables.md) and each row's decoding state
+while its batch runs (`Rows`): the constraint's state, the recording, when the row is done.
+
+`Rows.record_sampled` records a sampled position: the id, its log-prob under the processed
+distribution mu, the top-K head of mu, the kept support when sampling was restricted (`support_size`
+kept; the ids themselves when more than the head holds and fewer than the vocabulary) and the M
+extra samples. A forced token is recorded as what it is: log-prob 0 under a one-token support.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from prodrl_pipeline.engine.constraints import Constraint
+from prodrl_pipeline.engine.processing import SamplingParams
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    """`params.seed` set: this request samples from its own generator (batch-independent)."""
+    constraint: Constraint | None = None
+    on_token: Callable[[list[int]], bool] | None = None
+    """Called on the engine thread with the completion's ids after each token (streaming, stop
+    strings, a client that left); True ends the completion (finish_reason "stop")."""
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_logprobs: list[list[float]] = field(default_factory=list)
+    support_size: list[int] = field(default_factory=list)
+    support_ids: list[list[int]] = field(default_factory=list)
+    extra_ids: list[list[int]] = field(default_factory=list)
+    finish_reason: str = "length"
+
+
+def check_recording(top_logprobs: int, extra_samples: int) -> None:
+    """ValueError unless the recorded head has K >= 1 entries and extra samples are >= 0."""
+    if not top_logprobs >= 1:
+        raise ValueError(f"top_logprobs must be >= 1, got {top_logprobs}")
+    if not extra_samples >= 0:
+        raise ValueError(f"extra_samples must be >= 0, got {extra_samples}")
+
+
+class Rows:
+    """Per-request decoding state of a running batch, one row a request: constraint states, the
+    completions recorded so far, done flags and errors."""
+
+    def __init__(
+        self,
+        requests: list[Request],
+        vocab_size: int,
+        eos_id: int,
+        pad_id: int,
+        top_logprobs: int,
+        extra_samples: int,
+    ):
+        self.requests, self.vocab_size = list(requests), vocab_size
+        self.eos_id, self.pad_id, self.top_logprobs = eos_id, pad_id, top_logprobs
+        self.extra_samples = extra_samples
+        self.states = [r.constraint.start() if r.constraint else None for r in requests]
+        self.out = [Completion() for _ in requests]
+        self.done = [False] * len(requests)
+        self.errors: list[Exception | None] = [None] * len(requests)
+
+    def config(self) -> tuple[int, int, int, int, int]:
+        return self.vocab_size, self.eos_id, self.pad_id, self.top_logprobs, self.extra_samples
+
+    def extend(self, other: Rows) -> None:
+        self.requests += other.requests
+        self.states += other.states
+        self.out += other.out
+        self.done += other.done
+        self.errors += other.errors
+
+    def select(self, rows: list[int]) -> None:
+        self.requests = [self.requests[i] for i in rows]
+        self.states = [self.states[i] for i in rows]
+        self.out = [self.out[i] for i in rows]
+        self.done = [self.done[i] for i in rows]
+        self.errors = [self.errors[i] for i in rows]
+
+    def allowed_mask(self) -> torch.Tensor | None:  # [N, V] bool
+        if all(s is None for s in self.states):
+            return None
+        allowed = torch.ones((len(self.states), self.vocab_size), dtype=torch.bool)
+        for i, s in enumerate(self.states):
+            if s is not None and not self.done[i]:
+                allowed[i] = False
+                try:
+                    s.allow(allowed[i])
+                except Exception as e:  # noqa: BLE001 - a constraint that fails ends its own row
+                    self.fail(i, e)
+        return allowed
+
+    def record_sampled(self, logp: torch.Tensor, sampled: torch.Tensor, extra: torch.Tensor) -> list[int]:
+        """Append each live row's sampled token with its record; the sampled ids as a list. The
+        batch's tensors become lists in a few calls (not a few per row): a busy gateway's engine
+        thread re-takes the GIL after every torch call."""
+        k = min(self.top_logprobs, self.vocab_size)
+        head_lp, head_ids = logp.topk(k, dim=-1)  # [N, K]
+        if bool(logp.amin() > float("-inf")):  # nothing removed anywhere (one cheap pass): all kept
+            kept_mask, kept = None, [self.vocab_size] * len(self.done)
+        else:  # the kept support (a broken row's NaNs are never recorded)
+            kept_mask = logp > float("-inf")
+            kept = kept_mask.sum(-1).tolist()
+        toks = sampled.tolist()
+        lps = logp.gather(1, sampled[:, None]).squeeze(1).tolist()
+        heads, head_lps, extras = head_ids.tolist(), head_lp.tolist(), extra.tolist()
+        for i, (tok, size) in enumerate(zip(toks, kept, strict=True)):
+            if self.done[i]:
+                continue
+            n_head = min(k, size)
+            stored = n_head < size < self.vocab_size
+            support = kept_mask[i].nonzero().squeeze(1).tolist() if stored else []
+            self.append(i, tok, lps[i], heads[i][:n_head], head_lps[i][:n_head], size, support, extras[i])
+        return toks
+
+    def force_common(self) -> list[list[int]]:
+        """Append to every unfinished row the same number m of forced tokens (m = the shortest
+        forced chain among them, so the next forward pass stays rectangular)."""
+        chains: dict[int, list[int]] = {}
+        for i, s in enumerate(self.states):
+            if self.done[i] or s is None:
+                chains[i] = []
+                continue
+            room = self.requests[i].params.max_tokens - len(self.out[i].token_ids)
+            try:
+                chains[i] = s.forced()[:room]
+            except Exception as e:  # noqa: BLE001 - a constraint that fails ends its own row
+                self.fail(i, e)
+        m = min((len(c) for i, c in chains.items() if not self.done[i]), default=0)
+        out = []
+        for i in range(len(self.states)):
+            chain = []
+            for tok in chains.get(i, [])[:m]:
+                if self.done[i]:  # ended (its on_token callback) inside the chain
+                    break
+                self.append(i, tok, 0.0, [tok], [0.0], 1, [], [tok] * self.extra_samples)
+                chain.append(tok)
+            out.append(chain + [self.pad_id] * (m - len(chain)))
+        return out
+
+    def append(
+        self,
+        i: int,
+        tok: int,
+        logprob: float,
+        head_ids: list[int],
+        head_lp: list[float],
+        support_size: int,
+        support_ids: list[int],
+        extra_ids: list[int],
+    ) -> None:
+        c = self.out[i]
+        c.token_ids.append(tok)
+        c.logprobs.append(logprob)
+        c.topk_ids.append(head_ids)
+        c.topk_logprobs.append(head_lp)
+        c.support_size.append(support_size)
+        c.support_ids.append(support_ids)
+        c.extra_ids.append(extra_ids)
+        state = self.states[i]
+        if state is not None:
+            try:
+                state.advance(tok)
+            except Exception as e:  # noqa: BLE001
+                self.fail(i, e)
+                return
+        if tok == self.eos_id or (state is not None and state.finished) or self._on_token(i):
+            self.done[i], c.finish_reason = True, "stop"
+        elif len(c.token_ids) >= self.requests[i].params.max_tokens:
+            self.done[i] = True
+
+    def fail(self, i: int, error: Exception) -> None:
+        """End row i with `error` (reported to its request alone)."""
+        self.done[i], self.errors[i] = True, error
+
+    def _on_token(self, i: int) -> bool:
+        """The row's callback; one that raises ends only its own row (the error is kept)."""
+        on_token = self.requests[i].on_token
+        if on_token is None:
+            return False
+        try:
+            return bool(on_token(self.out[i].token_ids))
+        except Exception as e:  # noqa: BLE001 - reported to that request alone
+            self.errors[i] = e
+            return True
