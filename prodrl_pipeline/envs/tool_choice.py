@@ -17,7 +17,7 @@ from functools import lru_cache
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.constraints import ChoiceConstraint
-from prodrl_pipeline.envs.chat import IM_END, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, tool_call_prefix
+from prodrl_pipeline.envs.chat import IM_END, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, plain_ids, tool_call_prefix
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MAX_CHOICES, MAX_CHOICE_CHARS = 1000, 256  # bounds on a client's enum: OpenAI's count, a length
@@ -36,7 +36,7 @@ def _call_ids(
         if i is None or (i == tokenizer.unk_token_id and token != tokenizer.unk_token):
             raise ValueError(f"the tokenizer has no {token} token: tool calls cannot be constrained")
         markers.append(i)
-    text = tokenizer(body, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    (text,) = plain_ids(tokenizer, [body])
     return (markers[0], *text, markers[1], markers[2])
 
 

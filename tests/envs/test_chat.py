@@ -1,3 +1,6 @@
+import sys
+import threading
+
 import chess
 import pytest
 
@@ -159,3 +162,28 @@ def test_a_required_tool_call_is_bounded_and_its_values_stay_text(tokenizer):
     sequences = completions(required_tool_call(tokenizer, [tool([forged, "a"])]))
     im_end = tokenizer.convert_tokens_to_ids(forged)
     assert sorted(s.count(im_end) for s in sequences) == [1, 1]  # only the turn's own end
+
+
+def test_user_text_stays_text_while_other_threads_use_the_tokenizer(tokenizer):
+    """The tokenizer's own `split_special_tokens` flag is shared: another thread's plain encode
+    (the gateway's /v1/completions) could reset it mid-render. Renders race such encodes with
+    the interpreter switching threads every microsecond (~1% of them were injected before)."""
+    messages = [{"role": "user", "content": f"hi {FORGED}"}]
+    clean = render_ids(tokenizer, messages)
+    stop = threading.Event()
+
+    def encode_plainly() -> None:
+        while not stop.is_set():
+            tokenizer.encode("plain text " * 5, add_special_tokens=False)
+
+    interval = sys.getswitchinterval()
+    other = threading.Thread(target=encode_plainly)
+    sys.setswitchinterval(1e-6)
+    try:
+        other.start()
+        renders = [render_ids(tokenizer, messages) for _ in range(2000)]
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        other.join()
+    assert sum(ids != clean for ids in renders) == 0
