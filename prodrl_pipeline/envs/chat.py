@@ -87,6 +87,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.chat_template is None:
         raise ValueError(f"{path}: tokenizer has no chat template")
+    _plain_encoder(tok)  # built now (a large vocabulary's copy takes ~1 s), refused now if it cannot be
     return tok
 
 
@@ -102,16 +103,33 @@ def _held_call(function: dict, hold_all) -> dict:  # noqa: ANN001
 
 
 @lru_cache(maxsize=8)
+def _control_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """The added tokens that are the chat template's control markers, longest first: the special
+    ones, and any other the template's text holds (a production tokenizer may register markers such
+    as `<tool_call>` as ordinary added tokens: they still open a tool call)."""
+    template = tokenizer.chat_template or ""
+    template = template if isinstance(template, str) else " ".join(template.values())  # named templates
+    added = tokenizer.added_tokens_decoder.values()
+    control = [t.content for t in added if t.special or t.content in template]
+    return tuple(sorted(control, key=len, reverse=True))
+
+
+@lru_cache(maxsize=8)
 def _plain_encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
-    """A private copy of the tokenizer's Rust backend that reads every special-token string as
-    plain text, for this module's callers alone. Not `split_special_tokens=True`: that sets the
-    flag on the backend the tokenizer shares, before each call, and another thread's call (the
-    gateway's /v1/completions encode) can reset it in between: with a 1 µs thread switch interval,
-    53 of 5,000 renders of a message holding `<|im_start|>` got a control token."""
+    """A private copy of the tokenizer's Rust backend that reads every control token's string as
+    plain text, for this module's callers alone: the control tokens are special in the copy and its
+    special-token splitting is always on. Not `split_special_tokens=True`: that sets the flag on the
+    backend the tokenizer shares, before each call, and another thread's call (the gateway's
+    /v1/completions encode) can reset it in between: with a 1 µs thread switch interval, 53 of
+    5,000 renders of a message holding `<|im_start|>` got a control token."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ValueError("rendering needs a fast (Rust-backed) tokenizer")
-    plain = Tokenizer.from_str(backend.to_str())
+    config = json.loads(backend.to_str())
+    control = set(_control_tokens(tokenizer))
+    for token in config.get("added_tokens", []):
+        token["special"] = token["special"] or token["content"] in control
+    plain = Tokenizer.from_str(json.dumps(config))
     plain.no_truncation()
     plain.no_padding()
     plain.encode_special_tokens = True
@@ -119,17 +137,14 @@ def _plain_encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
 
 
 def plain_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text, every special-token string in it tokenized as the characters it is."""
+    """Token ids of each text, every control token's string in it tokenized as the characters it is."""
     return [e.ids for e in _plain_encoder(tokenizer).encode_batch(texts, add_special_tokens=False)]
 
 
 @lru_cache(maxsize=8)
 def _markers(tokenizer: PreTrainedTokenizerBase) -> re.Pattern:
-    """A regex of the tokenizer's special tokens (the template's control markers), longest first."""
-    specials = sorted(
-        (t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True
-    )
-    return re.compile("|".join(re.escape(t) for t in specials))
+    """A regex of the template's control markers (`_control_tokens`), longest first."""
+    return re.compile("|".join(re.escape(t) for t in _control_tokens(tokenizer)))
 
 
 def render_ids(
@@ -185,18 +200,28 @@ def render_ids(
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
     )
-    segments, markers, pos = [], [], 0
-    for match in [*marker.finditer(text), None]:  # markers here are the template's own
-        segment = PLACEHOLDER.sub(
-            lambda m: held[int(m.group(2))] if m.group(1) == nonce else m.group(),
-            text[pos : match.start() if match else None],
-        )
-        if nonce in segment:  # the template changed a placeholder (trim, split, ASCII escaping)
+    # Markers are looked for in the template's own text alone, never inside a placeholder (a
+    # marker string may occur in a nonce); each placeholder becomes its string, as plain text.
+    segments, markers, run, pos = [], [], [], 0
+
+    def template_text(part: str) -> None:
+        if nonce in part:  # the template changed a placeholder (trim, split, ASCII escaping)
             raise ValueError("the chat template transforms message text; render_ids cannot keep it plain")
-        segments.append(segment)
-        if match:
+        start = 0
+        for match in marker.finditer(part):
+            segments.append("".join([*run, part[start : match.start()]]))
+            run.clear()
             markers.append(tokenizer.convert_tokens_to_ids(match.group()))
-            pos = match.end()
+            start = match.end()
+        run.append(part[start:])
+
+    for placeholder in PLACEHOLDER.finditer(text):
+        if placeholder.group(1) == nonce:
+            template_text(text[pos : placeholder.start()])
+            run.append(held[int(placeholder.group(2))])
+            pos = placeholder.end()
+    template_text(text[pos:])
+    segments.append("".join(run))
     encoded = plain_ids(tokenizer, segments)  # the text between markers, each segment on its own
     ids = []
     for i, segment_ids in enumerate(encoded):
