@@ -27,7 +27,8 @@ SPECIAL_TOKENS = [PAD, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
 # prompt, 2 cores, docs/performance.md). It also keeps forked workers (Dagster, torchrun) from
 # inheriting a used pool. An explicit setting in the environment wins.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-PLACEHOLDER = re.compile("\ue000([0-9a-f]{16}):(\\d+)\ue001")  # render_ids' stand-in: nonce, index
+PLACEHOLDER = re.compile("\ue000([0-9a-f]{16}):([0-9]+)\ue001")  # render_ids' stand-in: nonce, index
+MARKUP = re.compile(r"<[^\s<>]+>|\[[^\s\[\]]+\]")  # `<tool_call>`, `[INST]`: how a marker looks
 
 CHAT_TEMPLATE = (
     # No whitespace control: every newline below is part of the rendering.
@@ -91,26 +92,32 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def _held_call(function: dict, hold_all) -> dict:  # noqa: ANN001
-    """A tool call's name and arguments held: a string verbatim, an object as the template's
+def _held_tool_call(call: dict, hold_all) -> dict:  # noqa: ANN001
+    """A tool call's id, name and arguments held: a string verbatim, an object as the template's
     `tojson` will write its strings."""
+    function = call["function"]
     args = function.get("arguments")
-    return {
+    held = {
         **function,
         "name": hold_all(function.get("name"), False),
         "arguments": hold_all(args, not isinstance(args, str)),
     }
+    return {**call, "function": held} | ({"id": hold_all(call["id"], False)} if "id" in call else {})
 
 
 @lru_cache(maxsize=8)
 def _control_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
     """The added tokens that are the chat template's control markers, longest first: the special
-    ones, and any other the template's text holds (a production tokenizer may register markers such
-    as `<tool_call>` as ordinary added tokens: they still open a tool call)."""
+    ones, and any other that looks like markup (`MARKUP`) and that the template's text holds (a
+    production tokenizer may register markers such as `<tool_call>` as ordinary added tokens: they
+    still open a tool call). Not any added token the template holds: a run of spaces, or a word the
+    template happens to write, is text, and splitting it would change benign prompts."""
     template = tokenizer.chat_template or ""
     template = template if isinstance(template, str) else " ".join(template.values())  # named templates
     added = tokenizer.added_tokens_decoder.values()
-    control = [t.content for t in added if t.special or t.content in template]
+    control = [
+        t.content for t in added if t.special or (MARKUP.fullmatch(t.content) and t.content in template)
+    ]
     return tuple(sorted(control, key=len, reverse=True))
 
 
@@ -144,7 +151,7 @@ def plain_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list
 @lru_cache(maxsize=8)
 def _markers(tokenizer: PreTrainedTokenizerBase) -> re.Pattern:
     """A regex of the template's control markers (`_control_tokens`), longest first."""
-    return re.compile("|".join(re.escape(t) for t in _control_tokens(tokenizer)))
+    return re.compile("|".join(re.escape(t) for t in _control_tokens(tokenizer)) or "(?!)")  # none: no match
 
 
 def render_ids(
@@ -159,12 +166,13 @@ def render_ids(
     text, so `<|im_start|>` typed by a user stays the characters it is and cannot open a turn.
 
     How: each such string is swapped for a per-call nonce placeholder before rendering, so every
-    special-token string in the rendered text is the template's; the text between those markers,
-    with the strings put back, is tokenized with special tokens split into ordinary tokens. Without
-    a special-token string in the messages this is exactly the plain rendering's tokenization, for
-    templates that insert strings as they are (a template that trims, splits or escapes them is
-    refused with ValueError). Dict keys (tool schemas, argument objects) are written raw by `tojson`,
-    so a key containing a special token is refused too."""
+    marker in the rendered text is the template's; the text between those markers, with the strings
+    put back, is tokenized with every marker's string split into ordinary tokens. Without a marker's
+    string in the messages this is exactly the plain rendering's tokenization, for templates that
+    insert strings as they are: the text with the strings put back must equal the plain rendering,
+    else ValueError (a template that trims, splits, escapes or tests a string). Dict keys (tool
+    schemas, argument objects) are written raw by `tojson`, so a key holding a marker is refused.
+    Tool-call ids are held too: a template may render them."""
     marker = _markers(tokenizer)
     nonce = secrets.token_hex(8)
     held: list[str] = []
@@ -187,12 +195,11 @@ def render_ids(
     masked = []
     for m in messages:
         m = dict(m)
-        if isinstance(m.get("content"), str):
-            m["content"] = hold_all(m["content"], False)
+        for key in ("content", "tool_call_id"):  # ids too: a template may render them
+            if isinstance(m.get(key), str):
+                m[key] = hold_all(m[key], False)
         if m.get("tool_calls"):
-            m["tool_calls"] = [
-                {**tc, "function": _held_call(tc["function"], hold_all)} for tc in m["tool_calls"]
-            ]
+            m["tool_calls"] = [_held_tool_call(tc, hold_all) for tc in m["tool_calls"]]
         masked.append(m)
     text = tokenizer.apply_chat_template(
         masked,
@@ -200,13 +207,17 @@ def render_ids(
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
     )
+    restored = PLACEHOLDER.sub(lambda m: held[int(m.group(2))] if m.group(1) == nonce else m.group(), text)
+    plain = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    if restored != plain:  # the template reads or changes a string (trims, splits, escapes, tests it)
+        raise ValueError("the chat template transforms message text; render_ids cannot keep it plain")
     # Markers are looked for in the template's own text alone, never inside a placeholder (a
     # marker string may occur in a nonce); each placeholder becomes its string, as plain text.
     segments, markers, run, pos = [], [], [], 0
 
     def template_text(part: str) -> None:
-        if nonce in part:  # the template changed a placeholder (trim, split, ASCII escaping)
-            raise ValueError("the chat template transforms message text; render_ids cannot keep it plain")
         start = 0
         for match in marker.finditer(part):
             segments.append("".join([*run, part[start : match.start()]]))

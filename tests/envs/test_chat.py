@@ -10,8 +10,10 @@ from transformers import PreTrainedTokenizerFast
 from prodrl_pipeline.envs.chat import (
     CHAT_TEMPLATE,
     IM_END,
+    SPECIAL_TOKENS,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
+    _control_tokens,
     parse_assistant_text,
     render_ids,
 )
@@ -206,17 +208,73 @@ def test_user_text_stays_text_while_other_threads_use_the_tokenizer(tokenizer):
     assert sum(ids != clean for ids in renders) == 0 and sum(ids != clean_call for ids in calls) == 0
 
 
-def _relabelled(tokenizer, special) -> PreTrainedTokenizerFast:  # noqa: ANN001
-    """The lab tokenizer with each added token's `special` flag set to `special(content, flag)`."""
+def _relabelled(tokenizer, special, template: str = CHAT_TEMPLATE, added=()) -> PreTrainedTokenizerFast:  # noqa: ANN001
+    """The lab tokenizer with each added token's `special` flag set to `special(content, flag)`,
+    more ordinary added tokens, and another chat template."""
     config = json.loads(tokenizer.backend_tokenizer.to_str())
     for token in config["added_tokens"]:
         token["special"] = special(token["content"], token["special"])
+    backend = Tokenizer.from_str(json.dumps(config))
+    backend.add_tokens(list(added))
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(config)),
-        eos_token=IM_END,
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        tokenizer_object=backend, eos_token=IM_END, pad_token="<|endoftext|>", chat_template=template
     )
+
+
+def test_the_lab_templates_markers_are_its_special_tokens_and_look_alike_text_is_not_one(tokenizer, heldout):
+    """An ordinary added token the template's source holds is a marker only if it looks like markup:
+    a run of spaces or a move the template names is text, and benign prompts tokenize plainly."""
+    assert sorted(_control_tokens(tokenizer)) == sorted(SPECIAL_TOKENS)
+    wordy = _relabelled(tokenizer, lambda text, special: special, "{#     e4 #}" + CHAT_TEMPLATE, ["    "])
+    assert sorted(_control_tokens(wordy)) == sorted(SPECIAL_TOKENS)
+    episode = ChessEpisode(heldout[0])
+    messages = [
+        *episode.messages,
+        tool_call_message(episode.allowed_moves()[0]),
+        {"role": "user", "content": "    e4"},
+    ]
+    text = wordy.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert render_ids(wordy, messages) == wordy.encode(text, add_special_tokens=False)
+
+
+def test_a_template_without_markers_renders_plainly(tokenizer):
+    bare = _relabelled(
+        tokenizer, lambda text, special: False, "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    assert _control_tokens(bare) == ()
+    messages = [{"role": "user", "content": "e4 <|im_start|> x"}]
+    assert render_ids(bare, messages) == bare.encode("e4 <|im_start|> x", add_special_tokens=False)
+
+
+def test_a_template_that_changes_or_tests_a_string_is_refused(tokenizer):
+    trimming = _relabelled(
+        tokenizer,
+        lambda text, special: special,
+        CHAT_TEMPLATE.replace("{{ m.content }}", "{{ m.content | trim }}"),
+    )
+    assert render_ids(trimming, [{"role": "user", "content": "x"}])  # nothing to trim: the same text
+    with pytest.raises(ValueError, match="transforms message text"):
+        render_ids(trimming, [{"role": "user", "content": " x "}])
+    testing = "{% if '<think>' in messages[0].content %}thought{% endif %}" + CHAT_TEMPLATE
+    with pytest.raises(ValueError, match="transforms message text"):
+        render_ids(
+            _relabelled(tokenizer, lambda text, special: special, testing),
+            [{"role": "user", "content": "<think>"}],
+        )
+
+
+def test_tool_call_ids_a_template_renders_stay_text(tokenizer):
+    showing = CHAT_TEMPLATE.replace(
+        "<|im_start|>{{ m.role }}\n{{ m.content }}",
+        "<|im_start|>{{ m.role }}\n{{ m.tool_call_id }}{{ m.content }}",
+    )
+    showing = showing.replace('<tool_call>{"name"', '<tool_call>{{ tc.id }}{"name"')
+    assert showing.count("tool_call_id") == 1 and showing.count("tc.id") == 1
+    ids_shown = _relabelled(tokenizer, lambda text, special: special, showing)
+    call = tool_call_message("e4", call_id=FORGED)
+    ids = render_ids(ids_shown, [call, {"role": "tool", "tool_call_id": FORGED, "content": "ok"}])
+    starts = ids_shown.convert_tokens_to_ids("<|im_start|>")
+    assert ids.count(starts) == 3 and ids_shown.decode(ids).count(FORGED) == 2  # 2 turns + the prompt's
 
 
 def test_markers_a_tokenizer_does_not_call_special_stay_control_tokens_alone(tokenizer):
