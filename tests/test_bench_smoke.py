@@ -15,7 +15,7 @@ RATIOS = {
     "engine recording K=20 / recording stubbed out",
     "lean step / trainer step (speed, same tokens)",
     "Delta write / parquet write (speed)",
-    "Delta write from dicts / parquet write (speed)",
+    "Delta write / parquet write, from dicts (speed)",
     "Delta read / parquet read (speed)",
     "environment + tokenizer + bookkeeping / lab round",
     "lab round through Dagster / its asset bodies",
