@@ -40,7 +40,14 @@ def test_file_statistics_are_the_rows_own_bounds_rounded_outwards():
             "m": "a",
             "t": NOW + timedelta(microseconds=1500),
         },
-        {"i": -3, "f": None, "nan": 1.0, "s": "a" + long, "m": "a" + long, "t": NOW + timedelta(microseconds=2)},
+        {
+            "i": -3,
+            "f": None,
+            "nan": 1.0,
+            "s": "a" + long,
+            "m": "a" + long,
+            "t": NOW + timedelta(microseconds=2),
+        },
         {
             "i": None,
             "f": -2.25,
