@@ -1,9 +1,10 @@
 """A local Delta table's data files, read and written with pyarrow: the files a snapshot lists, and a
 new file with the add action (partition value, size, statistics) that commits it.
 
-deltalake's own writer costs ~1.3× a pyarrow write of the same rows; a file pyarrow writes, committed
-by `DeltaTable.create_write_transaction`, costs ~1.15× (docs/performance.md). The commit goes
-through deltalake: conflict checks, retries and app transactions are its own.
+deltalake's own writer takes ~1.3× as long as a pyarrow write of the same rows; a file pyarrow
+writes, committed by `DeltaTable.create_write_transaction`, ~1.25× with its statistics, the commit
+and the kept snapshot's refresh (docs/performance.md). The commit goes through deltalake: its
+retries and app transactions are its own.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from deltalake.transaction import AddAction
 PARTITION = "round"
 """The one partition column of a partitioned table."""
 STRING_STATS = 32
-"""Characters of a string kept as its minimum (a prefix bounds it below); a longer maximum is left
-out, as a prefix would not bound it above."""
+"""Characters kept of a string bound: a longer minimum is cut (its prefix is below it), a longer
+maximum cut and raised (`_above`)."""
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 
 
@@ -103,10 +104,13 @@ def write_file(folder: str, data: pa.Table, partition: int | None, partitioned: 
 
 
 def file_stats(data: pa.Table) -> dict:
-    """Delta's per-file statistics of the scalar columns (struct fields nested): numRecords, nullCount,
-    and minValues/maxValues of numbers (none for a float column holding a NaN or an infinity),
-    strings and timestamps (at millisecond precision, bounds rounded outwards). Lists get none, as
-    deltalake's writer gives them none."""
+    """Delta's per-file statistics of the scalar columns (struct fields nested): numRecords, nullCount
+    and, for a column with a value, minValues/maxValues: of numbers and booleans (a float's NaNs left
+    out, as deltalake's writer does; none if an infinity is there), strings (cut to STRING_STATS
+    characters, the maximum raised) and timestamps (milliseconds, rounded outwards). Lists get none,
+    as deltalake's writer gives them none. A reader may take a column with a null count and no
+    bounds as one of nulls only (deltalake's pyarrow dataset does): bounds are left out only where
+    JSON cannot hold them."""
     low: dict = {}
     high: dict = {}
     nulls: dict = {}
@@ -134,23 +138,34 @@ def _column_stats(field: pa.Field, column: pa.ChunkedArray, low: dict, high: dic
     ):
         return
     nulls[field.name] = column.null_count
-    if pa.types.is_boolean(kind) or column.null_count == len(column):
+    if column.null_count == len(column):
         return
-    if pa.types.is_floating(kind) and pc.any(pc.is_nan(column)).as_py():
-        return  # a NaN orders differently in each engine: no bounds are safe
-    bounds = pc.min_max(column)
+    bounds = pc.min_max(column)  # a float's NaNs left out, as deltalake's writer leaves them out
     lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
     if pa.types.is_floating(kind) and not (math.isfinite(lo) and math.isfinite(hi)):
-        return  # JSON has no infinity
+        return  # only NaNs, or an infinity: JSON holds neither
     if pa.types.is_string(kind):
-        low[field.name] = lo[:STRING_STATS]
-        if len(hi) <= STRING_STATS:
-            high[field.name] = hi
+        low[field.name], high[field.name] = lo[:STRING_STATS], _above(hi)
         return
     if pa.types.is_timestamp(kind):
         low[field.name], high[field.name] = _millis(lo, up=False), _millis(hi, up=True)
         return
     low[field.name], high[field.name] = lo, hi
+
+
+def _above(text: str) -> str:
+    """`text` if it is at most STRING_STATS characters, else a string of at most that many that
+    sorts above it (and above every string it prefixes): its prefix with the last character that
+    can be raised raised by one code point (UTF-8's byte order is the code points' order)."""
+    if len(text) <= STRING_STATS:
+        return text
+    prefix = text[:STRING_STATS]
+    while prefix and ord(prefix[-1]) == 0x10FFFF:
+        prefix = prefix[:-1]
+    if not prefix:  # only the last code point: no shorter string is above it
+        return text
+    raised = ord(prefix[-1]) + 1
+    return prefix[:-1] + chr(0xE000 if 0xD800 <= raised <= 0xDFFF else raised)  # no surrogates
 
 
 def _millis(value: datetime.datetime, up: bool) -> str:
@@ -165,6 +180,17 @@ def newer_commit(table: DeltaTable) -> bool:
     """Whether the local `table` has a commit after its snapshot's: the next version's commit file
     exists (a stat, ~10 µs, where deltalake's look takes ~0.5 ms)."""
     return os.path.exists(_commit_file(local_folder(table), table.version() + 1))
+
+
+def log_identity(table: DeltaTable) -> tuple[int, int, int] | None:
+    """The commit file of the local `table`'s snapshot version, as (inode, size, modification time
+    in ns); None if it is gone. Another value means another file (an inode is reused at once): the
+    table was deleted and made anew."""
+    try:
+        stat = os.stat(_commit_file(local_folder(table), table.version()))
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _commit_file(folder: str, version: int) -> str:

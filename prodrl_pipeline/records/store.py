@@ -39,6 +39,7 @@ from prodrl_pipeline.records.delta_files import (
     PARTITION,
     commit_version,
     local_folder,
+    log_identity,
     newer_commit,
     read_file,
     snapshot_files,
@@ -48,6 +49,11 @@ from prodrl_pipeline.records.schema import TABLES
 
 log = logging.getLogger(__name__)
 
+ROUND_GUARD = "prodrl.round={}"
+"""The app id each write of a whole round (a round overwrite; an append, per round it holds) of a
+partitioned table commits with: deltalake fails a commit whose app id a concurrent commit also
+carries, as it would not otherwise for an overwrite committed from a pyarrow file (no predicate of
+its own to check the other's files against). Its version is the snapshot's the write started from."""
 ROUND_PREDICATE = re.compile(r"round = (-?[0-9]+)")
 SAFE_ID = re.compile(r"[A-Za-z0-9_.:-]+")  # ids that may appear inside a SQL predicate
 PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "policy_logprobs", "eval_results"}
@@ -120,7 +126,7 @@ class DeltaStore:
         self.lineage = lineage
         self.versions_read: dict[str, set[int]] = {}
         self.versions_written: dict[str, set[int]] = {}
-        self._snapshots: dict[str, DeltaTable] = {}
+        self._snapshots: dict[str, tuple[DeltaTable, tuple[int, int, int] | None]] = {}
         self._locks: dict[str, threading.Lock] = {}
 
     def uri(self, table: str) -> str:
@@ -161,17 +167,22 @@ class DeltaStore:
     def _latest(self, table: str) -> Iterator[DeltaTable | None]:
         """The table's kept snapshot brought to its latest version, or None if the table does not
         exist, with the table's lock held (the store's threads share it: a gateway's landing and live
-        follower). A read or write that fails drops it: the next one opens the table afresh."""
+        follower). A read or write that fails drops it: the next one opens the table afresh, as
+        does one that finds the snapshot's own commit file gone or replaced (the table deleted and
+        made anew under this store; `log_identity`)."""
         with self._locks.setdefault(table, threading.Lock()):
-            dt = self._snapshots.get(table)
+            dt, identity = self._snapshots.get(table, (None, None))
             try:
+                if dt is not None and self._local and log_identity(dt) != identity:
+                    dt = None
                 if dt is None:
-                    if self.exists(table):
-                        dt = self._snapshots[table] = self.table(table)
+                    dt = self.table(table) if self.exists(table) else None
                 elif not self._local or newer_commit(dt):
                     with self._reading(table):
                         dt.update_incremental()
                 yield dt
+                if dt is not None:  # at the version the body left it at (a write moves it)
+                    self._snapshots[table] = (dt, log_identity(dt) if self._local else None)
             except BaseException:
                 self._snapshots.pop(table, None)
                 raise
@@ -186,11 +197,18 @@ class DeltaStore:
             yield self.table(table, version) if self.exists(table) else None
 
     def _commit(
-        self, extra: Mapping[str, str] | None, transaction: tuple[str, int] | None = None
+        self,
+        extra: Mapping[str, str] | None,
+        transaction: tuple[str, int] | None = None,
+        rounds: Sequence[int | None] = (),
+        version: int = 0,
     ) -> CommitProperties:
-        txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
+        """The commit's metadata and app transactions: the caller's, and one per round it writes
+        whole (`ROUND_GUARD`), which makes two concurrent writes of one round conflict."""
+        txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else []
+        txns += [Transaction(app_id=ROUND_GUARD.format(k), version=version) for k in rounds]
         return CommitProperties(
-            custom_metadata={**self.commit_metadata, **(extra or {})}, app_transactions=txns
+            custom_metadata={**self.commit_metadata, **(extra or {})}, app_transactions=txns or None
         )
 
     def _seen(self, versions: dict[str, set[int]], table: str, version: int) -> None:
@@ -218,14 +236,15 @@ class DeltaStore:
                     f"{outside} rows failed validation: the overwrite of table {table!r} replaces round "
                     f"{round_} and these rows have another round"
                 )
-        self._write(table, data, self._commit({"predicate": predicate}), predicate, round_)
+        self._write(table, data, {"predicate": predicate}, None, predicate, round_)
         return data.num_rows
 
     def _write(
         self,
         table: str,
         data: pa.Table,
-        commit: CommitProperties,
+        extra: Mapping[str, str] | None,
+        transaction: tuple[str, int] | None,
         predicate: str | None = None,
         round_: int | None = None,
     ) -> None:
@@ -238,6 +257,8 @@ class DeltaStore:
         partition_by = [PARTITION] if table in PARTITIONED else None
         try:
             with self._latest(table) as target:
+                rounds = self._whole_rounds(table, data, predicate, round_) if target is not None else []
+                commit = self._commit(extra, transaction, rounds, target.version() if target else 0)
                 if target is None:
                     write_deltalake(
                         self.uri(table),
@@ -264,7 +285,7 @@ class DeltaStore:
                         post_commithook_properties=NO_HOOKS,
                     )
                     version = target.version()
-                if target is not None:
+                if target is not None and version is not None:
                     self._checkpoint(table, target, version)
         except (CommitFailedError, StorageError):  # a lost race; or the snapshot's read named the table
             raise
@@ -275,7 +296,19 @@ class DeltaStore:
                 f"writing {data.num_rows} rows to table {table!r} failed: {_one_line(e)}; the table stays "
                 f"at its last committed version ({self._last_version(table)})"
             ) from e
-        self._seen(self.versions_written, table, version)
+        if version is not None:
+            self._seen(self.versions_written, table, version)
+
+    @staticmethod
+    def _whole_rounds(
+        table: str, data: pa.Table, predicate: str | None, round_: int | None
+    ) -> list[int | None]:
+        """The rounds of a partitioned table a write replaces or appends to (`ROUND_GUARD`)."""
+        if table not in PARTITIONED:
+            return []
+        if predicate is None:
+            return data["round"].unique().to_pylist()
+        return [] if round_ is None else [round_]
 
     def _file_partition(
         self, target: DeltaTable, table: str, data: pa.Table, predicate: str | None, round_: int | None
@@ -289,6 +322,8 @@ class DeltaStore:
             return False
         if data.num_rows == 0 or target.schema().to_json() != _delta_schema(table):
             return False
+        if target.metadata().partition_columns != ([PARTITION] if table in PARTITIONED else []):
+            return False  # a table partitioned otherwise than the store's: deltalake's writer says so
         if table not in PARTITIONED:
             return None if predicate is None else False
         if predicate is not None:
@@ -304,10 +339,11 @@ class DeltaStore:
         partition: int | None,
         predicate: str | None,
         commit: CommitProperties,
-    ) -> int:
+    ) -> int | None:
         """Write `data` as one file (pyarrow) and commit it (deltalake: its conflict checks, retries
         and app transactions): appended, or replacing the files of round `partition`. Returns the
-        commit's version and leaves `target` at the latest version."""
+        commit's version (None if it cannot be read back: logged) and leaves `target` at the latest
+        version."""
         folder, read_version = local_folder(target), target.version()
         add = write_file(folder, data, partition, partitioned=table in PARTITIONED)
         target.create_write_transaction(
@@ -319,8 +355,12 @@ class DeltaStore:
             commit_properties=commit,
             post_commithook_properties=NO_HOOKS,
         )
-        target.update_incremental()
-        return commit_version(folder, add.path, read_version, target.version())
+        try:  # the commit has landed: what fails from here is not a failed write
+            target.update_incremental()
+            return commit_version(folder, add.path, read_version, target.version())
+        except (DeltaError, OSError, RuntimeError) as e:  # the next use catches the snapshot up
+            log.warning("table %r: %s committed, its version unknown: %s", table, add.path, _one_line(e))
+            return None
 
     def _checkpoint(self, table: str, dt: DeltaTable, version: int) -> None:
         """After a commit at `version` (`dt` at it or later): a log checkpoint every
@@ -357,7 +397,7 @@ class DeltaStore:
         that knows it is the app's only writer and is past its replay may skip the check."""
         if transaction and check and self.transaction_version(table, transaction[0]) >= transaction[1]:
             return False
-        self._write(table, self._conform(table, rows), self._commit(None, transaction))
+        self._write(table, self._conform(table, rows), None, transaction)
         return True
 
     def transaction_version(self, table: str, app_id: str) -> int:
@@ -371,7 +411,8 @@ class DeltaStore:
         A plain table (Delta reader protocol 1: no deletion vectors, no column mapping) in a local
         folder is read as the parquet files its log lists, with pyarrow; any other through
         DataFusion. Not with pyarrow's dataset scan of the Delta table: that can abort the
-        interpreter at exit (its thread pool calling back into deltalake's Python filesystem)."""
+        interpreter at exit (its thread pool calling back into deltalake's Python filesystem).
+        """
         with self._snapshot(table, version) as dt:
             if dt is None:
                 return TABLES[table].empty_table()
@@ -379,8 +420,12 @@ class DeltaStore:
             with self._reading(table):  # the log's per-file stats are parsed only now
                 files = snapshot_files(dt, round_) if self._plain(dt) else None
                 parts = [_read_sql(dt, round_)] if files is None else []
-        with self._reading(table):  # the files are read with the snapshot free for other threads
-            parts += [read_file(f, round_) for f in files or ()]
+        try:  # the files are read with the snapshot free for other threads
+            with self._reading(table):
+                parts += [read_file(f, round_) for f in files or ()]
+        except StorageError:
+            self._snapshots.pop(table, None)
+            raise
         schema = TABLES[table]
         return pa.concat_tables([_as_schema(p, schema) for p in parts]) if parts else schema.empty_table()
 

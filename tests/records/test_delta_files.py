@@ -2,16 +2,19 @@
 
 import json
 import math
+import random
+import shutil
 import threading
 from datetime import timedelta
 
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
+from deltalake.exceptions import CommitFailedError
 
-from prodrl_pipeline.records.delta_files import STRING_STATS, commit_version, file_stats
+from prodrl_pipeline.records.delta_files import STRING_STATS, _above, commit_version, file_stats
 from prodrl_pipeline.records.schema import TABLES
-from prodrl_pipeline.records.store import DeltaStore
+from prodrl_pipeline.records.store import DeltaStore, StorageError
 from tests.records.test_store import NOW, _call
 
 
@@ -27,9 +30,10 @@ def _bounds(values: list) -> tuple:
 
 
 def test_file_statistics_are_the_rows_own_bounds_rounded_outwards():
-    """Brute force over the rows: counts, nulls, min/max of each scalar column and struct field; a
-    string minimum is cut to its prefix and a longer maximum left out; timestamps at milliseconds,
-    the minimum rounded down and the maximum up; no bounds where NaN or all-null leaves none."""
+    """Brute force over the rows: counts, nulls, min/max of each scalar column and struct field (a
+    float's NaNs left out, as deltalake's writer does); a long string minimum cut to its prefix, a
+    long maximum to a string above it; timestamps at milliseconds, the minimum rounded down and the
+    maximum up; no bounds for a column of nulls only."""
     long = "z" * (STRING_STATS + 5)
     rows = [
         {
@@ -66,26 +70,83 @@ def test_file_statistics_are_the_rows_own_bounds_rounded_outwards():
             ("m", pa.string()),
             ("t", pa.timestamp("us", tz="UTC")),
             ("ids", pa.list_(pa.int32())),
+            ("b", pa.bool_()),
             ("st", pa.struct([("x", pa.int64()), ("none", pa.float64())])),
         ]
     )
-    rows = [{**r, "ids": [1, 2], "st": {"x": 10 * k, "none": None}} for k, r in enumerate(rows)]
+    rows = [
+        {**r, "ids": [1, 2], "b": [True, None, False][k], "st": {"x": 10 * k, "none": None}}
+        for k, r in enumerate(rows)
+    ]
     stats = file_stats(pa.Table.from_pylist(rows, schema=schema))
 
     assert stats["numRecords"] == 3
     assert stats["nullCount"] == {
-        "i": 1, "f": 1, "nan": 0, "s": 1, "m": 0, "t": 0, "st": {"x": 0, "none": 3}
+        "i": 1, "f": 1, "nan": 0, "s": 1, "m": 0, "t": 0, "b": 1, "st": {"x": 0, "none": 3}
     }  # fmt: skip
     i, f, s = (_bounds([r[c] for r in rows]) for c in ("i", "f", "s"))
     assert (stats["minValues"]["i"], stats["maxValues"]["i"]) == i == (-3, 5)
     assert (stats["minValues"]["f"], stats["maxValues"]["f"]) == f == (-2.25, 0.5)
-    assert "nan" not in stats["minValues"] and "ids" not in stats["minValues"]
-    assert stats["minValues"]["s"] == s[0][:STRING_STATS] and "s" not in stats["maxValues"]
+    assert (stats["minValues"]["nan"], stats["maxValues"]["nan"]) == (1.0, 2.0) and "ids" not in stats[
+        "minValues"
+    ]
+    assert (stats["minValues"]["b"], stats["maxValues"]["b"]) == (False, True)
+    assert stats["minValues"]["s"] == s[0][:STRING_STATS] and stats["maxValues"]["s"] >= s[1]
+    assert len(stats["maxValues"]["s"]) == STRING_STATS
     assert (stats["minValues"]["m"], stats["maxValues"]["m"]) == ("a", "b")  # the long one is in between
     assert stats["minValues"]["t"] == "2026-11-30T00:00:00.000Z"  # 2 µs, rounded down
     assert stats["maxValues"]["t"] == "2026-11-30T00:00:01.001Z"  # 1 s 999 µs, rounded up
-    assert stats["minValues"]["st"] == {"x": 0} and stats["maxValues"]["st"] == {"x": 20}
+    assert stats["minValues"]["st"] == {"x": 0} and stats["maxValues"]["st"] == {
+        "x": 20
+    }  # "none": nulls only
     json.dumps(stats, allow_nan=False)  # what the log holds is valid JSON
+
+
+def test_a_long_string_s_upper_bound_is_above_it_and_short():
+    """In UTF-8 byte order (the order of code points) and with no surrogate, whatever characters end
+    the kept prefix: ASCII, the last before the surrogates, the last code point."""
+    rng = random.Random(0)
+    alphabet = ["a", "z", "\x7f", "é", "\ud7ff", "\ue000", "\U0010ffff", "😀"]
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 2 * STRING_STATS)))
+        bound = _above(text)
+        assert bound.encode() >= text.encode(), (text, bound)
+        assert len(bound) <= STRING_STATS or bound == text
+        assert not any(0xD800 <= ord(c) <= 0xDFFF for c in bound)
+    assert _above("\U0010ffff" * (STRING_STATS + 1)) == "\U0010ffff" * (STRING_STATS + 1)
+
+
+def test_deltalake_s_pyarrow_reader_filters_the_files_written_here_by_their_statistics(tmp_path):
+    """deltalake's pyarrow dataset prunes a file by its bounds and reads a column with a null count
+    and no bounds as nulls only: every filter gives the rows a scan of them gives."""
+    store = DeltaStore(tmp_path)
+    row = {"round": 1, "deployment_id": "d", "puzzle_id": "p", "n_calls": 1}
+    store.append("eval_results", [{**row, "puzzle_id": "first", "themes": "", "reward": 0.0, "solved": True}])
+    rows = [
+        {**row, "puzzle_id": "x" * 40, "themes": "b" * 40, "reward": float("nan"), "solved": False},
+        {**row, "puzzle_id": "é" * 34, "themes": "a", "reward": 0.5, "solved": True},
+    ]
+    store.append("eval_results", rows)  # one pyarrow file (checked by the first lines)
+    assert (
+        "operationMetrics"
+        not in next(a for a in _log(store, "eval_results", 1) if "commitInfo" in a)["commitInfo"]
+    )
+    table = DeltaTable(store.uri("eval_results"))
+    every = table.to_pyarrow_table().to_pylist()
+    for column, op, value in [
+        ("themes", ">", "ba"),
+        ("puzzle_id", "=", "x" * 40),
+        ("puzzle_id", ">", "é" * 33),
+        ("solved", "=", False),
+        ("reward", "=", 0.5),
+        ("reward", "<", 0.25),
+    ]:
+        compare = {"=": lambda a, b: a == b, ">": lambda a, b: a > b, "<": lambda a, b: a < b}[op]
+        expected = sorted(r["puzzle_id"] for r in every if compare(r[column], value))
+        got = sorted(
+            r["puzzle_id"] for r in table.to_pyarrow_table(filters=[(column, op, value)]).to_pylist()
+        )
+        assert got == expected and got, (column, op, value)
 
 
 def test_a_round_is_one_pyarrow_file_that_deltalake_and_datafusion_read_with_its_statistics(tmp_path):
@@ -198,3 +259,61 @@ def test_the_version_of_a_commit_is_the_one_that_added_its_file_not_a_later_one_
     assert commit_version(str(tmp_path / "calls"), added, 0, 3) == 1
     with pytest.raises(RuntimeError, match="no commit in versions 2..3 adds"):
         commit_version(str(tmp_path / "calls"), added, 1, 3)
+
+
+def _write_round(store: DeltaStore, how: str, i: int, k: int) -> None:
+    rows = [_call(i, k, [1], [-1.0])]
+    store.overwrite_round("calls", rows, k) if how == "overwrite_round" else store.append("calls", rows)
+
+
+def test_two_writers_of_one_round_conflict_whichever_commits_first(tmp_path, monkeypatch):
+    """The other writer commits between our snapshot's refresh and our commit (our refresh is made
+    blind to it): an overwrite of a round with no files yet, an overwrite of a round they appended
+    to, and an append to a round they overwrote each fail, as deltalake's own writer failed them."""
+    import prodrl_pipeline.records.store as store_module
+
+    theirs = DeltaStore(tmp_path)
+    theirs.overwrite_round("calls", [_call(0, 1, [1], [-1.0])], 1)
+    newer_commit = store_module.newer_commit
+    for k, their_write, our_write in [
+        (2, "overwrite_round", "overwrite_round"),
+        (3, "append", "overwrite_round"),
+        (4, "overwrite_round", "append"),
+    ]:
+        ours = DeltaStore(tmp_path)
+        ours.read("calls")
+        stale = ours._snapshots["calls"][0]
+        monkeypatch.setattr(store_module, "newer_commit", lambda t, s=stale: t is not s and newer_commit(t))
+        _write_round(theirs, their_write, 10 * k, k)
+        with pytest.raises(CommitFailedError):
+            _write_round(ours, our_write, 10 * k + 1, k)
+        assert [r["call_id"] for r in theirs.read("calls", k).to_pylist()] == [f"c{10 * k}"]
+    ours.overwrite_round("calls", [_call(99, 2, [1], [-1.0])], 2)  # its snapshot reopened: it lands
+    assert [r["call_id"] for r in theirs.read("calls", 2).to_pylist()] == ["c99"]
+
+
+def test_a_table_partitioned_otherwise_than_the_store_s_is_not_written_by_file(tmp_path):
+    from deltalake import write_deltalake
+
+    store = DeltaStore(tmp_path)
+    rows = pa.Table.from_pylist([_call(0, 1, [1], [-1.0])], schema=TABLES["calls"])
+    write_deltalake(store.uri("calls"), rows)  # no partition column
+    with pytest.raises(StorageError, match="partition"):
+        store.overwrite_round("calls", [_call(1, 2, [1], [-1.0])], 2)
+    assert [r["round"] for r in store.read("calls").to_pylist()] == [1]
+    assert not (tmp_path / "calls" / "round=2").exists()
+
+
+def test_a_table_deleted_and_made_anew_under_a_store_is_read_and_written_as_it_is_now(tmp_path):
+    ours, theirs = DeltaStore(tmp_path), DeltaStore(tmp_path)
+    for k in (1, 2, 3):
+        ours.overwrite_round("calls", [_call(k, k, [1], [-1.0])], k)
+    assert ours.read("calls").num_rows == 3  # kept at version 2
+    shutil.rmtree(tmp_path / "calls")
+    for k in (7, 8, 9, 10):  # versions 0 to 3: past ours, so its next commit file exists
+        theirs.overwrite_round("calls", [_call(k, k, [1], [-1.0])], k)
+    assert sorted(r["call_id"] for r in ours.read("calls").to_pylist()) == ["c10", "c7", "c8", "c9"]
+    ours.overwrite_round("calls", [_call(11, 7, [1], [-1.0])], 7)
+    fresh = DeltaStore(tmp_path)
+    assert sorted(r["call_id"] for r in fresh.read("calls").to_pylist()) == ["c10", "c11", "c8", "c9"]
+    assert fresh.table("calls").version() == 4
