@@ -51,7 +51,7 @@ def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=256, help="trajectories played")
     parser.add_argument("--rows", type=int, default=3000, help="calls in the round")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=15)
     return parser
 
 
