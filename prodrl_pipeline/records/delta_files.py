@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from urllib.parse import unquote
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -105,12 +106,11 @@ def write_file(folder: str, data: pa.Table, partition: int | None, partitioned: 
 
 def file_stats(data: pa.Table) -> dict:
     """Delta's per-file statistics of the scalar columns (struct fields nested): numRecords, nullCount
-    and, for a column with a value, minValues/maxValues: of numbers and booleans (a float's NaNs left
-    out, as deltalake's writer does; none if an infinity is there), strings (cut to STRING_STATS
-    characters, the maximum raised) and timestamps (milliseconds, rounded outwards). Lists get none,
-    as deltalake's writer gives them none. A reader may take a column with a null count and no
-    bounds as one of nulls only (deltalake's pyarrow dataset does): bounds are left out only where
-    JSON cannot hold them."""
+    and, for a column with a value, minValues/maxValues: of numbers and booleans (floats as
+    `_float_bounds` says), strings (cut to STRING_STATS characters, the maximum raised) and
+    timestamps (milliseconds, rounded outwards). Lists get none, as deltalake's writer gives them
+    none. Every scalar column with a value gets bounds: a reader may take a column with a null count
+    and no bounds as one of nulls only (deltalake's pyarrow dataset does)."""
     low: dict = {}
     high: dict = {}
     nulls: dict = {}
@@ -140,10 +140,11 @@ def _column_stats(field: pa.Field, column: pa.ChunkedArray, low: dict, high: dic
     nulls[field.name] = column.null_count
     if column.null_count == len(column):
         return
-    bounds = pc.min_max(column)  # a float's NaNs left out, as deltalake's writer leaves them out
+    bounds = pc.min_max(column)
     lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
-    if pa.types.is_floating(kind) and not (math.isfinite(lo) and math.isfinite(hi)):
-        return  # only NaNs, or an infinity: JSON holds neither
+    if pa.types.is_floating(kind):
+        low[field.name], high[field.name] = _float_bounds(column, lo, hi, kind)
+        return
     if pa.types.is_string(kind):
         low[field.name], high[field.name] = lo[:STRING_STATS], _above(hi)
         return
@@ -151,6 +152,17 @@ def _column_stats(field: pa.Field, column: pa.ChunkedArray, low: dict, high: dic
         low[field.name], high[field.name] = _millis(lo, up=False), _millis(hi, up=True)
         return
     low[field.name], high[field.name] = lo, hi
+
+
+def _float_bounds(column: pa.ChunkedArray, lo: float, hi: float, kind: pa.DataType) -> tuple[float, float]:
+    """A float column's bounds. With a NaN or an infinity, the type's widest finite ones: engines
+    order NaN differently, JSON holds neither, and DataFusion reads a column whose bounds are equal
+    as that one value (a NaN among zeros became 0.0). A zero bound is signed outwards (-0.0 below,
+    0.0 above), as parquet's statistics are: equal zero bounds would erase a zero's sign."""
+    if pc.any(pc.is_nan(column)).as_py() or not (math.isfinite(lo) and math.isfinite(hi)):
+        widest = float(np.finfo(kind.to_pandas_dtype()).max)
+        return -widest, widest
+    return (-0.0 if lo == 0 else lo), (0.0 if hi == 0 else hi)
 
 
 def _above(text: str) -> str:

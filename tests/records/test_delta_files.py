@@ -7,6 +7,7 @@ import shutil
 import threading
 from datetime import timedelta
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
@@ -31,9 +32,9 @@ def _bounds(values: list) -> tuple:
 
 def test_file_statistics_are_the_rows_own_bounds_rounded_outwards():
     """Brute force over the rows: counts, nulls, min/max of each scalar column and struct field (a
-    float's NaNs left out, as deltalake's writer does); a long string minimum cut to its prefix, a
-    long maximum to a string above it; timestamps at milliseconds, the minimum rounded down and the
-    maximum up; no bounds for a column of nulls only."""
+    float column with a NaN: its type's widest finite bounds); a long string minimum cut to its
+    prefix, a long maximum to a string above it; timestamps at milliseconds, the minimum rounded
+    down and the maximum up; no bounds for a column of nulls only."""
     long = "z" * (STRING_STATS + 5)
     rows = [
         {
@@ -87,9 +88,9 @@ def test_file_statistics_are_the_rows_own_bounds_rounded_outwards():
     i, f, s = (_bounds([r[c] for r in rows]) for c in ("i", "f", "s"))
     assert (stats["minValues"]["i"], stats["maxValues"]["i"]) == i == (-3, 5)
     assert (stats["minValues"]["f"], stats["maxValues"]["f"]) == f == (-2.25, 0.5)
-    assert (stats["minValues"]["nan"], stats["maxValues"]["nan"]) == (1.0, 2.0) and "ids" not in stats[
-        "minValues"
-    ]
+    widest = float(np.finfo(np.float32).max)
+    assert (stats["minValues"]["nan"], stats["maxValues"]["nan"]) == (-widest, widest)
+    assert "ids" not in stats["minValues"]
     assert (stats["minValues"]["b"], stats["maxValues"]["b"]) == (False, True)
     assert stats["minValues"]["s"] == s[0][:STRING_STATS] and stats["maxValues"]["s"] >= s[1]
     assert len(stats["maxValues"]["s"]) == STRING_STATS
@@ -147,6 +148,36 @@ def test_deltalake_s_pyarrow_reader_filters_the_files_written_here_by_their_stat
             r["puzzle_id"] for r in table.to_pyarrow_table(filters=[(column, op, value)]).to_pylist()
         )
         assert got == expected and got, (column, op, value)
+
+
+def test_datafusion_reads_a_nan_among_equal_values_and_a_zero_s_sign_as_written(tmp_path):
+    """DataFusion, filtering on a column whose bounds are equal, reads it as that one value: bounds
+    that ignored a NaN (0.5, 0.5) made the NaN 0.5, and zero bounds of one sign (pyarrow's min_max
+    of [-0.0, 0.0] is -0.0, -0.0) made 0.0 into -0.0."""
+    store = DeltaStore(tmp_path)
+    row = {
+        "trajectory_id": "t",
+        "round": 1,
+        "deployment_id": "d",
+        "task_id": "x",
+        "reward": 0.0,
+        "n_calls": 1,
+    }
+    store.overwrite_round("trajectories", [row], 1)  # created by deltalake; the next write is a file
+    rewards = [np.nan, 0.5, 0.5]
+    store.overwrite_round(
+        "trajectories", [{**row, "trajectory_id": f"t{i}", "reward": r} for i, r in enumerate(rewards)], 1
+    )
+    store.overwrite_round(
+        "trajectories",
+        [{**row, "round": 2, "trajectory_id": f"z{i}", "reward": z} for i, z in enumerate([-0.0, 0.0])],
+        2,
+    )
+    read = store.query(
+        "SELECT round, reward FROM trajectories WHERE reward IS NOT NULL ORDER BY round", ["trajectories"]
+    ).to_pylist()
+    assert [math.isnan(r["reward"]) for r in read] == [True, False, False, False, False]
+    assert sorted(math.copysign(1.0, r["reward"]) for r in read if r["round"] == 2) == [-1.0, 1.0]
 
 
 def test_a_round_is_one_pyarrow_file_that_deltalake_and_datafusion_read_with_its_statistics(tmp_path):
