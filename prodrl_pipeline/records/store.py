@@ -30,9 +30,7 @@ from deltalake import (
     Transaction,
     write_deltalake,
 )
-from deltalake import (
-    Schema as DeltaSchema,
-)
+from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError
 
 from prodrl_pipeline.records.delta_files import (
@@ -271,7 +269,7 @@ class DeltaStore:
                         post_commithook_properties=NO_HOOKS,
                     )
                     version = 0
-                elif (partition := self._file_partition(target, table, data, predicate, round_)) is not False:
+                elif (partition := self._file_partition(target, table, data, predicate, rounds)) is not False:
                     version = self._commit_file(target, table, data, partition, predicate, commit)
                 else:
                     write_deltalake(
@@ -311,12 +309,13 @@ class DeltaStore:
         return [] if round_ is None else [round_]
 
     def _file_partition(
-        self, target: DeltaTable, table: str, data: pa.Table, predicate: str | None, round_: int | None
+        self, target: DeltaTable, table: str, data: pa.Table, predicate: str | None, rounds: list[int | None]
     ) -> int | None | bool:
         """Whether `data` can be written as one pyarrow file committed by deltalake, and then its
         partition (a round; None for an unpartitioned table): False unless the table is local, of
         reader protocol 1 and writer protocol 2 with no features, has exactly the store's schema,
-        and the write is an append, or an overwrite of one round of a partitioned table."""
+        and the write is an append, or writes one whole round (`rounds`, from `_whole_rounds`) of a
+        partitioned table."""
         writer = target.protocol()
         if not (self._plain(target) and writer.min_writer_version <= 2 and not writer.writer_features):
             return False
@@ -326,9 +325,6 @@ class DeltaStore:
             return False  # a table partitioned otherwise than the store's: deltalake's writer says so
         if table not in PARTITIONED:
             return None if predicate is None else False
-        if predicate is not None:
-            return False if round_ is None else round_
-        rounds = data["round"].unique().to_pylist()
         return rounds[0] if len(rounds) == 1 and rounds[0] is not None else False
 
     def _commit_file(
