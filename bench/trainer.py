@@ -5,10 +5,13 @@ B recorded lab trajectories (lab model, K = 20 head) make one minibatch. The tra
 centering over the head: what a lab round runs). The lean step is the least a step must do: from
 tensors already packed, forward, project only the completion positions to the vocabulary,
 cross-entropy of the sampled ids, backward, Adam: the same microbatches, the same model size.
-Each repeat times both, in turn, each on its own copy of the model. Ratio: lean step time ÷
-trainer step time (the trainer's speed relative to the lean step), goal >= 0.90. Also shown: the
-round's pi_k pass relative to a lean step, and the trainer step with each log-prob chunk kept for
-the backward pass instead of recomputed (the price of the log-prob memory goal).
+A forced token (a one-token support: most of a lab call, the tool-call wrapper) has log pi_S = 0
+and no gradient, so the trainer projects only the sampled positions; the lean step of the goal
+does the same (the least a step must do), and the lean step projecting every completion position
+is shown beside it. Each repeat times each, in turn, each on its own copy of the model. Ratio:
+lean step time ÷ trainer step time (the trainer's speed relative to the lean step), goal >= 0.90.
+Also shown: the round's pi_k pass relative to a lean step, and the trainer step with each log-prob
+chunk kept for the backward pass instead of recomputed (the price of the log-prob memory goal).
 Run: `make bench` (or `.venv/bin/python -m bench.trainer`).
 """
 
@@ -55,14 +58,16 @@ def arguments() -> argparse.ArgumentParser:
 SMOKE = ["--batch", "4", "--repeats", "1"]
 
 
-def lean_step(model, optimizer: torch.optim.Optimizer, micros: list[Sequences]) -> None:  # noqa: ANN001
-    """Forward, completion positions only through the output layer, cross-entropy, backward, Adam."""
+def lean_step(model, optimizer: torch.optim.Optimizer, micros: list[Sequences], every: bool = False) -> None:  # noqa: ANN001
+    """Forward, the sampled positions only (`every`: every completion position) through the output
+    layer, cross-entropy, backward, Adam."""
     optimizer.zero_grad(set_to_none=True)
-    n = sum(s.token_ids.numel() for s in micros)
-    for s in micros:
+    picked = [torch.ones_like(s.free) if every else s.free for s in micros]
+    n = sum(int(p.sum()) for p in picked)
+    for s, p in zip(micros, picked, strict=True):
         hidden = model.model(input_ids=s.input_ids, attention_mask=s.attention_mask).last_hidden_state
-        logits = model.lm_head(hidden[s.token_row, s.token_pos])
-        (F.cross_entropy(logits, s.token_ids, reduction="sum") / n).backward()
+        logits = model.lm_head(hidden[s.token_row[p], s.token_pos[p]])
+        (F.cross_entropy(logits, s.token_ids[p], reduction="sum") / n).backward()
     optimizer.step()
 
 
@@ -94,8 +99,8 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         for i, t in enumerate(trajectories)
     ]
     cfg = TrainerConfig(steps=1, batch_size=args.batch, warmup_steps=0)
-    trained, lean = model, copy.deepcopy(model)
-    trainer_opt, lean_opt = make_optimizer(trained, cfg, None), make_optimizer(lean, cfg, None)
+    trained, lean, every = model, copy.deepcopy(model), copy.deepcopy(model)
+    trainer_opt, lean_opt, every_opt = (make_optimizer(m, cfg, None) for m in (trained, lean, every))
     recorded = RecordedCalls.from_rows(calls)  # a round reads its calls once, for all its steps
     micros = [
         build_sequences(recorded.take(mb), tok.pad_token_id)
@@ -117,13 +122,18 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             "trainer": step,
             "chunks kept": step_chunks_kept,
             "lean": lambda: lean_step(lean, lean_opt, micros),
+            "lean, every position": lambda: lean_step(every, every_opt, micros, every=True),
             "pi_k": lambda: policy_logprobs(trained, recorded, cfg, tok.pad_token_id, fake_quant=False),
         },
         args.repeats,
     )
     n_tokens = sum(len(c["completion_token_ids"]) for c in calls)
+    n_sampled = sum(int(s.free.sum()) for s in micros)
     lean_s = statistics.median(times["lean"])
-    kept = statistics.median(l / t for t, l in zip(times["chunks kept"], times["lean"], strict=True))
+
+    def over_trainer(name: str, trainer: str = "trainer") -> float:
+        return statistics.median(l / t for t, l in zip(times[trainer], times[name], strict=True))
+
     return [
         Ratio(
             "lean step / trainer step (speed, same tokens)",
@@ -131,11 +141,13 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             0.90,
             detail=(
                 f"hidden size {args.hidden}, {len(trajectories)} lab trajectories, {len(calls)} calls, "
-                f"{n_tokens} completion tokens, "
+                f"{n_tokens} completion tokens of which {n_sampled} sampled, "
                 f"{args.repeats} repeats; lean step {lean_s:.2f} s, trainer step "
                 f"{statistics.median(times['trainer']):.2f} s, pi_k pass "
-                f"{statistics.median(times['pi_k']) / lean_s:.2f} x a lean step; lean step / trainer step "
-                f"with log-prob chunks kept, not recomputed: {kept:.2f}"
+                f"{statistics.median(times['pi_k']) / lean_s:.2f} x a lean step; lean step projecting "
+                f"every completion position / trainer step: {over_trainer('lean, every position'):.2f}; "
+                f"lean step / trainer step with log-prob chunks kept, not recomputed: "
+                f"{over_trainer('lean', 'chunks kept'):.2f}"
             ),
         )
     ]

@@ -148,25 +148,68 @@ def project_logprobs(
     chunk_tokens: int,
     outputs: frozenset[str] = EVERY_OUTPUT,
 ) -> TokenLogprobs:
-    """From completion hidden states h [Ntok, H] and the output embedding [V, H]. With gradient,
-    each chunk is recomputed in the backward pass (activation checkpointing), so the backward pass
-    too holds one [chunk_tokens, V] tensor at a time instead of every chunk's log-softmax."""
+    """From completion hidden states h [Ntok, H] and the output embedding [V, H]. Only the sampled
+    positions are projected: a forced token (one-token support S = {a}) has log pi_S(a) = 0 with a
+    zero gradient, whatever the weights, so its fields are constants (`_forced`); only its
+    `full_logprobs`, a diagnostic, takes a projection without gradient. A batch with no sampled
+    position projects its forced ones instead, so that the loss stays attached to the graph (data
+    parallel ranks run their backward passes in lockstep). With gradient, each chunk is recomputed
+    in the backward pass (activation checkpointing), so the backward pass too holds one
+    [chunk_tokens, V] tensor at a time instead of every chunk's log-softmax."""
     if unknown := outputs - EVERY_OUTPUT:
         raise ValueError(f"unknown log-prob outputs {sorted(unknown)}; choose from {sorted(EVERY_OUTPUT)}")
+    free = seqs.free
+    if bool(free.all()) or not bool(free.any()):
+        return _projected(h, weight, seqs, None, chunk_tokens, outputs)
+    sampled, forced = free.nonzero().squeeze(1), (~free).nonzero().squeeze(1)
+    got = _projected(h, weight, seqs, sampled, chunk_tokens, outputs)
+    const = _forced(seqs, forced, outputs)
+    if "full_logprobs" in outputs:
+        with torch.no_grad():
+            unrestricted = Sequences(**{**vars(seqs), "support": [None] * len(seqs.support)})
+            full = _projected(h, weight, unrestricted, forced, chunk_tokens, frozenset({"full_logprobs"}))
+        const = TokenLogprobs(**{**vars(const), "full_logprobs": full.full_logprobs})
+    n = len(free)
+    return TokenLogprobs(
+        *(
+            None if part is None else _interleaved(n, (sampled, part), (forced, fill))
+            for part, fill in zip(vars(got).values(), vars(const).values(), strict=True)
+        )
+    )
+
+
+def _projected(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    seqs: Sequences,
+    rows: torch.Tensor | None,
+    chunk_tokens: int,
+    outputs: frozenset[str],
+) -> TokenLogprobs:
+    """The fields of the positions `rows` (None: all, in order), `chunk_tokens` at a time."""
     vocab = weight.shape[0]
+    n = h.shape[0] if rows is None else len(rows)
     outs = []
-    for start in range(0, h.shape[0], chunk_tokens):
-        sl = slice(start, min(start + chunk_tokens, h.shape[0]))
+    for start in range(0, n, chunk_tokens):
+        at = (
+            slice(start, min(start + chunk_tokens, n)) if rows is None else rows[start : start + chunk_tokens]
+        )
+        support = seqs.support[at] if rows is None else [seqs.support[i] for i in at.tolist()]
+        bias = (
+            None
+            if seqs.bias is None
+            else (seqs.bias[at] if rows is None else [seqs.bias[i] for i in at.tolist()])
+        )
         args = (
-            h[sl],
+            h[at],
             weight,
-            seqs.temperature[sl],
-            seqs.token_ids[sl],
-            seqs.head_ids[sl],
-            seqs.head_mask[sl],
-            seqs.extra_ids[sl],
-            _outside_support(seqs.support[sl], vocab, h.device),
-            _on(bias_matrix(seqs.bias[sl], vocab) if seqs.bias is not None else None, h.device),
+            seqs.temperature[at],
+            seqs.token_ids[at],
+            seqs.head_ids[at],
+            seqs.head_mask[at],
+            seqs.extra_ids[at],
+            _outside_support(support, vocab, h.device),
+            _on(bias_matrix(bias, vocab) if bias is not None else None, h.device),
             outputs,
         )
         if torch.is_grad_enabled():
@@ -176,6 +219,38 @@ def project_logprobs(
     return TokenLogprobs(
         *(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs, strict=True))
     )
+
+
+def _forced(seqs: Sequences, rows: torch.Tensor, outputs: frozenset[str]) -> TokenLogprobs:
+    """The fields at forced positions `rows`, S = {a}: log pi_S is 0 at a and -inf elsewhere, so
+    the head and the extra samples (the token itself) are 0, nothing lies outside the head or
+    outside a, and the entropy is 0. `full_logprobs` is not a constant: None here."""
+    token = seqs.token_ids[rows]
+
+    def at_token(ids: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+        return zero.masked_fill_(ids != token[:, None], float("-inf"))
+
+    zeros = torch.zeros(len(rows), device=token.device)
+    none = torch.full_like(zeros, float("-inf"))
+    return TokenLogprobs(
+        zeros,
+        at_token(seqs.head_ids[rows]) if "head_logprobs" in outputs else None,
+        none if "tail_logprobs" in outputs else None,
+        at_token(seqs.extra_ids[rows]) if "extra_logprobs" in outputs else None,
+        none if "complement_logprobs" in outputs else None,
+        None,
+        zeros if "entropy" in outputs else None,
+    )
+
+
+def _interleaved(n: int, *parts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One [n, ...] tensor from (rows, values) pairs that cover 0..n-1 once (differentiable)."""
+    first = parts[0][1]
+    out = first.new_zeros((n, *first.shape[1:]))
+    for rows, values in parts:
+        out = out.index_put((rows,), values.to(out.dtype))
+    return out
 
 
 def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
