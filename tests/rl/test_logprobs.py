@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from prodrl_pipeline.rl.estimators import EstimatorConfig, TokenInputs, objective
-from prodrl_pipeline.rl.logprobs import EVERY_OUTPUT, build_sequences, token_logprobs
+from prodrl_pipeline.rl.logprobs import EVERY_OUTPUT, Sequences, build_sequences, token_logprobs
 from prodrl_pipeline.rl.recorded import RecordedCalls
 
 
@@ -67,6 +67,72 @@ def test_support_renormalizes_and_forced_tokens_carry_no_gradient(tiny_model, co
     assert torch.all(got.logprobs[seqs.free] > got.full_logprobs[seqs.free])  # the support's mass < 1
     grad = torch.autograd.grad(got.logprobs[forced].sum(), tiny_model.lm_head.weight, allow_unused=True)[0]
     assert grad is None or torch.count_nonzero(grad) == 0
+
+
+def _brute_force_fields(model, seqs):
+    """Every field of TokenLogprobs per position from the naive [Ntok, V] log-softmax, with gradient."""
+    logp = _naive(model, seqs)
+    kept = _over_support(logp, seqs)
+    vocab = torch.arange(logp.shape[1])
+    outside_head = torch.stack(
+        [~torch.isin(vocab, seqs.head_ids[i][seqs.head_mask[i]]) for i in range(len(seqs.token_ids))]
+    )
+    token = seqs.token_ids[:, None]
+    tail = kept.masked_fill(~outside_head, -math.inf)
+    has_tail = tail.isfinite().any(-1)  # a logsumexp of -inf alone has a NaN gradient: left out
+    return {
+        "logprobs": kept.gather(1, token).squeeze(1),
+        "head_logprobs": kept.gather(1, seqs.head_ids),
+        "tail_logprobs": torch.where(
+            has_tail, tail.masked_fill(~has_tail[:, None], 0).logsumexp(-1), -math.inf
+        ),
+        "extra_logprobs": kept.gather(1, seqs.extra_ids),
+        "complement_logprobs": kept.scatter(1, token, -math.inf).logsumexp(-1),
+        "full_logprobs": logp.gather(1, token).squeeze(1),
+        "entropy": -(kept.exp() * kept).nansum(-1),
+    }
+
+
+@pytest.mark.parametrize("calls", [slice(None), "forced"], ids=["mixed", "forced-only"])
+def test_every_field_and_its_gradient_equal_the_brute_force_with_forced_positions(
+    calls, tiny_model, recorded, tokenizer
+):
+    """Only the sampled positions are projected; a forced one's fields are constants. Every field,
+    at every position, and the gradient of a weighted sum of the fields that carry one equal the
+    naive log-softmax's, on a batch mixing both kinds and on a batch with forced positions only."""
+    columns = RecordedCalls.from_rows(recorded.calls)
+    seqs = build_sequences(columns, tokenizer.pad_token_id)
+    if calls == "forced":  # one position of each call, forced: the batch keeps no sampled position
+        seqs = Sequences(**{**vars(seqs), "support": [[t] for t in seqs.token_ids.tolist()]})
+        seqs.head_ids[:, 0], seqs.head_mask[:, 1:] = seqs.token_ids, False
+        seqs.extra_ids[:] = seqs.token_ids[:, None]
+    free = seqs.free
+    assert free.any() != (calls == "forced") and not free.all()
+    grads = []
+    for compute in (lambda: token_logprobs(tiny_model, seqs, chunk_tokens=7), lambda: None):
+        tiny_model.zero_grad(set_to_none=True)
+        weights = torch.Generator().manual_seed(0)  # the same weights for both
+        got = compute()
+        fields = _brute_force_fields(tiny_model, seqs) if got is None else vars(got)
+        if got is not None:
+            brute = {k: v.detach() for k, v in _brute_force_fields(tiny_model, seqs).items()}
+            head = seqs.head_mask
+            for name, value in fields.items():
+                want = brute[name]
+                value = value[head] if name == "head_logprobs" else value
+                want = want[head] if name == "head_logprobs" else want
+                torch.testing.assert_close(value.detach(), want, rtol=0, atol=1e-4, msg=name)
+        loss = sum(
+            (
+                torch.randn(fields[k].shape, generator=weights)
+                * fields[k].masked_fill(~fields[k].isfinite(), 0)
+            ).sum()
+            for k in ("logprobs", "head_logprobs", "tail_logprobs", "extra_logprobs")
+        )
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in tiny_model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+    assert grads[0].abs().sum() > 0 or calls == "forced"
 
 
 def test_the_trainer_evaluates_pi_as_served_with_the_recorded_logit_bias(
