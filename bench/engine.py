@@ -2,15 +2,19 @@
 
 The same lab model (random weights from a fixed seed: speed does not depend on them), the same
 left-padded lab prompts, the same sampling (T = 1, no top-k / top-p, no constraint), the same
-token budget; the engine records what it always records (the K = 20 head). Each repeat times one
-run of each contender, in turn. Ratios (median and range over the repeats):
+token budget; the engine records what it always records (the K = 20 head). The process's startup
+heap is frozen out of the garbage collector's reach first, as a lab run's step process is
+(prodrl_pipeline/heap.py). Each repeat times one run of each contender, the engine and its stubbed
+twin back to back in alternating order. Ratios (median and range over the repeats):
 - engine tokens/s ÷ `generate` tokens/s, goal >= 1.5;
 - engine tokens/s ÷ the same engine with recording stubbed out (only the sampled ids kept: no
   log-prob, head, support or extra samples), goal >= 0.98.
-Also shown, as bounds: the share of the engine's time spent in the model's forward passes (with
-everything else free, the first ratio could grow by 1 ÷ that share at most), and the share that
-`torch.topk` of the K = 20 head alone would take (what recording the head cannot avoid; an upper
-estimate, every row timed at every step: the second ratio is at most about 1 minus it).
+Also shown: the share of the engine's time spent in the model's forward passes (with everything
+else free, the first ratio could grow by 1 ÷ that share at most); the share spent recording
+(`Rows.record_sampled`, timed inside the runs: the real one and the stub), which bounds the second
+ratio (it is about 1 minus their difference); and the share that `torch.topk` of the K = 20 head
+alone would take (what recording the head cannot avoid; an upper estimate, every row timed at
+every step). `--hidden` sets the model's width (the lab's: 128).
 Run: `make bench` (or `.venv/bin/python -m bench.engine`).
 """
 
@@ -31,6 +35,7 @@ from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import load_tokenizer, render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
+from prodrl_pipeline.heap import freeze_startup_heap
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 
 
@@ -47,6 +52,25 @@ def _ids_only(batch: Rows, logp, sampled, extra) -> list[int]:  # noqa: ANN001
         if not batch.done[i]:
             batch.append(i, tok, 0.0, [], [], 0, [], [])
     return toks
+
+
+@contextmanager
+def _recording_seconds() -> Iterator[list[float]]:
+    """Seconds spent in `Rows.record_sampled` (whichever is installed) while the block runs."""
+    record, spent = Rows.record_sampled, [0.0]
+
+    def timed(*args):  # noqa: ANN002
+        t0 = time.perf_counter()
+        try:
+            return record(*args)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    Rows.record_sampled = timed
+    try:
+        yield spent
+    finally:
+        Rows.record_sampled = record
 
 
 @contextmanager
@@ -108,6 +132,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--hidden", type=int, default=128, help="the model's width (the lab's: 128; SwiGLU 3x it)"
+    )
     return parser
 
 
@@ -117,40 +144,48 @@ SMOKE = ["--prompts", "4", "--new-tokens", "4", "--repeats", "1"]
 def measure(args: argparse.Namespace) -> list[Ratio]:
     torch.manual_seed(0)
     tok = load_tokenizer("data/tokenizer")
-    model = build_model(TinyQwen3Config(), len(tok), tok.pad_token_id).eval()
+    config = TinyQwen3Config(hidden_size=args.hidden, intermediate_size=3 * args.hidden)
+    model = build_model(config, len(tok), tok.pad_token_id).eval()
     puzzles = list(iter_lab_puzzles("data", "heldout"))[: args.prompts]
     prompts = [render_ids(tok, ChessEpisode(p).messages) for p in puzzles]
     engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id)
+    freeze_startup_heap()  # as a lab run's step process does
     tokens: dict[str, int] = {}
+    shares: dict[str, list[float]] = {"forward": [], "recording": [], "stub": []}
 
     def run(name: str) -> None:
         if name == "generate":
             tokens[name] = _hf_tokens(model, prompts, args.new_tokens, tok.pad_token_id, tok.eos_token_id)
         elif name == "unrecorded":
-            with _unrecorded():
+            with _unrecorded(), _recording_seconds() as stub:
                 tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
+            shares["stub"].append(stub[0])
         else:
-            with _forward_seconds(model) as spent:
+            with _forward_seconds(model) as spent, _recording_seconds() as recording:
                 tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
-            forward_share.append(spent[0])
+            shares["forward"].append(spent[0])
+            shares["recording"].append(recording[0])
 
     with torch.inference_mode():
         _engine_tokens(engine, prompts[:4], 4)  # warm-up
         _hf_tokens(model, prompts[:4], 4, tok.pad_token_id, tok.eos_token_id)
-        per_run: dict[str, list[float]] = {"engine": [], "generate": [], "unrecorded": []}
-        topk_share, forward_share = [], []
-        for _ in range(args.repeats):  # tokens/s of each run (a contender's token count may vary)
-            times = alternate({name: lambda n=name: run(n) for name in per_run}, 1)
+        per_run: dict[str, list[float]] = {"engine": [], "unrecorded": [], "generate": []}
+        topk_share = []
+        for repeat in range(args.repeats):  # tokens/s of each run (a contender's token count may vary)
+            pair = ["engine", "unrecorded"][:: 1 if repeat % 2 == 0 else -1]  # back to back, alternating
+            times = alternate({name: lambda n=name: run(n) for name in [*pair, "generate"]}, 1)
             for name in per_run:
                 per_run[name].append(tokens[name] / times[name][0])
             steps = -(-tokens["engine"] // len(prompts))  # decode steps at least
             topk_share.append(_topk_seconds(len(prompts), len(tok), steps) / times["engine"][0])
-            forward_share[-1] /= times["engine"][0]
+            for name, run_name in (("forward", "engine"), ("recording", "engine"), ("stub", "unrecorded")):
+                shares[name][-1] /= times[run_name][0]
+    share = {name: statistics.median(values) for name, values in shares.items()}
     detail = (
-        f"lab model, {args.prompts} prompts x up to {args.new_tokens} new tokens, T=1, K=20 recorded, "
-        f"{args.repeats} repeats; tokens/s engine {statistics.median(per_run['engine']):.0f}, "
-        f"generate {statistics.median(per_run['generate']):.0f}; the model's forward passes are "
-        f"{statistics.median(forward_share):.0%} of the engine's time"
+        f"lab model (hidden size {args.hidden}), {args.prompts} prompts x up to {args.new_tokens} new "
+        f"tokens, T=1, K=20 recorded, {args.repeats} repeats; tokens/s engine "
+        f"{statistics.median(per_run['engine']):.0f}, generate {statistics.median(per_run['generate']):.0f}; "
+        f"the model's forward passes are {share['forward']:.0%} of the engine's time"
     )
     return [
         Ratio(
@@ -163,7 +198,11 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             "engine recording K=20 / recording stubbed out",
             tuple(e / u for e, u in zip(per_run["engine"], per_run["unrecorded"], strict=True)),
             0.98,
-            detail=f"topk of the K=20 head alone: {statistics.median(topk_share):.1%} of the engine's time",
+            detail=(
+                f"hidden size {args.hidden}; recording takes {share['recording']:.1%} of the engine's time "
+                f"(the stub {share['stub']:.1%}); topk of the K=20 head alone: "
+                f"{statistics.median(topk_share):.1%}"
+            ),
         ),
     ]
 
