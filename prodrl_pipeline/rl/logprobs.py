@@ -151,28 +151,32 @@ def project_logprobs(
     """From completion hidden states h [Ntok, H] and the output embedding [V, H]. Only the sampled
     positions are projected: a forced token (one-token support S = {a}) has log pi_S(a) = 0 with a
     zero gradient, whatever the weights, so its fields are constants (`_forced`); only its
-    `full_logprobs`, a diagnostic, takes a projection without gradient. A batch with no sampled
-    position projects its forced ones instead, so that the loss stays attached to the graph (data
-    parallel ranks run their backward passes in lockstep). With gradient, each chunk is recomputed
-    in the backward pass (activation checkpointing), so the backward pass too holds one
-    [chunk_tokens, V] tensor at a time instead of every chunk's log-softmax."""
+    `full_logprobs`, a diagnostic, takes a projection without gradient. With gradient, a batch with
+    no sampled position projects one forced position, so that the loss stays attached to the graph
+    (a backward pass needs one; data parallel ranks run theirs in lockstep). With gradient, each
+    chunk is recomputed in the backward pass (activation checkpointing), so the backward pass too
+    holds one [chunk_tokens, V] tensor at a time instead of every chunk's log-softmax."""
     if unknown := outputs - EVERY_OUTPUT:
         raise ValueError(f"unknown log-prob outputs {sorted(unknown)}; choose from {sorted(EVERY_OUTPUT)}")
     free = seqs.free
-    if bool(free.all()) or not bool(free.any()):
+    if bool(free.all()):
         return _projected(h, weight, seqs, None, chunk_tokens, outputs)
-    sampled, forced = free.nonzero().squeeze(1), (~free).nonzero().squeeze(1)
-    got = _projected(h, weight, seqs, sampled, chunk_tokens, outputs)
-    const = _forced(seqs, forced, outputs)
+    projected = free.clone()
+    if torch.is_grad_enabled() and not bool(free.any()):
+        projected[0] = True
+    rows, forced = projected.nonzero().squeeze(1), (~projected).nonzero().squeeze(1)
+    const = _forced(seqs, forced, outputs, h.dtype)
     if "full_logprobs" in outputs:
         with torch.no_grad():
             unrestricted = Sequences(**{**vars(seqs), "support": [None] * len(seqs.support)})
             full = _projected(h, weight, unrestricted, forced, chunk_tokens, frozenset({"full_logprobs"}))
         const = TokenLogprobs(**{**vars(const), "full_logprobs": full.full_logprobs})
-    n = len(free)
+    if not len(rows):  # every position forced, no gradient: the constants are all there is
+        return const
+    got = _projected(h, weight, seqs, rows, chunk_tokens, outputs)
     return TokenLogprobs(
         *(
-            None if part is None else _interleaved(n, (sampled, part), (forced, fill))
+            None if part is None else _interleaved(len(free), (rows, part), (forced, fill))
             for part, fill in zip(vars(got).values(), vars(const).values(), strict=True)
         )
     )
@@ -221,17 +225,19 @@ def _projected(
     )
 
 
-def _forced(seqs: Sequences, rows: torch.Tensor, outputs: frozenset[str]) -> TokenLogprobs:
+def _forced(
+    seqs: Sequences, rows: torch.Tensor, outputs: frozenset[str], dtype: torch.dtype
+) -> TokenLogprobs:
     """The fields at forced positions `rows`, S = {a}: log pi_S is 0 at a and -inf elsewhere, so
     the head and the extra samples (the token itself) are 0, nothing lies outside the head or
     outside a, and the entropy is 0. `full_logprobs` is not a constant: None here."""
     token = seqs.token_ids[rows]
 
     def at_token(ids: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+        zero = torch.zeros(ids.shape, dtype=dtype, device=ids.device)
         return zero.masked_fill_(ids != token[:, None], float("-inf"))
 
-    zeros = torch.zeros(len(rows), device=token.device)
+    zeros = torch.zeros(len(rows), dtype=dtype, device=token.device)
     none = torch.full_like(zeros, float("-inf"))
     return TokenLogprobs(
         zeros,

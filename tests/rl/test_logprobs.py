@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from prodrl_pipeline.engine.processing import bias_matrix
 from prodrl_pipeline.rl.estimators import EstimatorConfig, TokenInputs, objective
 from prodrl_pipeline.rl.logprobs import EVERY_OUTPUT, Sequences, build_sequences, token_logprobs
 from prodrl_pipeline.rl.recorded import RecordedCalls
@@ -70,8 +71,13 @@ def test_support_renormalizes_and_forced_tokens_carry_no_gradient(tiny_model, co
 
 
 def _brute_force_fields(model, seqs):
-    """Every field of TokenLogprobs per position from the naive [Ntok, V] log-softmax, with gradient."""
-    logp = _naive(model, seqs)
+    """Every field of TokenLogprobs per position from the naive [Ntok, V] logits, with the recorded
+    logit bias added and divided by the recorded temperature, then renormalized over each support."""
+    logits = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask).logits
+    logits = logits[seqs.token_row, seqs.token_pos]
+    if seqs.bias is not None:
+        logits = logits + bias_matrix(seqs.bias, logits.shape[1])
+    logp = (logits / seqs.temperature[:, None]).log_softmax(-1)
     kept = _over_support(logp, seqs)
     vocab = torch.arange(logp.shape[1])
     outside_head = torch.stack(
@@ -93,35 +99,58 @@ def _brute_force_fields(model, seqs):
     }
 
 
-@pytest.mark.parametrize("calls", [slice(None), "forced"], ids=["mixed", "forced-only"])
+def _forced_at(seqs, rows, token=None):
+    """`seqs` with the positions `rows` forced (a one-token support; head and extra samples the
+    token itself), their token set to `token` if given."""
+    support = list(seqs.support)
+    for i in rows:
+        if token is not None:
+            seqs.token_ids[i] = token
+        t = int(seqs.token_ids[i])
+        support[i] = [t]
+        seqs.head_ids[i, 0], seqs.head_mask[i, 1:], seqs.extra_ids[i] = t, False, t
+    return Sequences(**{**vars(seqs), "support": support})
+
+
+@pytest.mark.parametrize("batch", ["mixed", "forced-only", "forced-only, no gradient"])
 def test_every_field_and_its_gradient_equal_the_brute_force_with_forced_positions(
-    calls, tiny_model, recorded, tokenizer
+    batch, tiny_model, recorded, tokenizer
 ):
     """Only the sampled positions are projected; a forced one's fields are constants. Every field,
     at every position, and the gradient of a weighted sum of the fields that carry one equal the
-    naive log-softmax's, on a batch mixing both kinds and on a batch with forced positions only."""
-    columns = RecordedCalls.from_rows(recorded.calls)
-    seqs = build_sequences(columns, tokenizer.pad_token_id)
-    if calls == "forced":  # one position of each call, forced: the batch keeps no sampled position
-        seqs = Sequences(**{**vars(seqs), "support": [[t] for t in seqs.token_ids.tolist()]})
-        seqs.head_ids[:, 0], seqs.head_mask[:, 1:] = seqs.token_ids, False
-        seqs.extra_ids[:] = seqs.token_ids[:, None]
+    naive computation's, on calls at several temperatures, some with a logit bias (-100 on a
+    forced token among them), with a forced token of id 0: on a batch mixing both kinds, on one
+    with forced positions only, and on that one without gradient (no projection but the
+    diagnostic's)."""
+    calls = recorded.calls
+    for i, c in enumerate(calls):
+        c["sampling"] = {**c["sampling"], "temperature": (0.7, 1.0, 1.3)[i % 3]}
+    forced_id = calls[1]["completion_token_ids"][-1]
+    calls[1]["sampling"]["logit_bias"] = [
+        {"token_id": forced_id, "bias": -100.0},
+        {"token_id": 7, "bias": 2.5},
+    ]
+    seqs = build_sequences(RecordedCalls.from_rows(calls), tokenizer.pad_token_id)
+    seqs = _forced_at(seqs, [int((~seqs.free).nonzero()[0])], token=0)
+    if batch != "mixed":
+        seqs = _forced_at(seqs, range(len(seqs.token_ids)))
     free = seqs.free
-    assert free.any() != (calls == "forced") and not free.all()
+    assert free.any() == (batch == "mixed") and not free.all() and (seqs.token_ids[~free] == 0).any()
+    with torch.no_grad():
+        brute = _brute_force_fields(tiny_model, seqs)
+        gradient = torch.enable_grad() if batch != "forced-only, no gradient" else torch.no_grad()
+        with gradient:
+            got = token_logprobs(tiny_model, seqs, chunk_tokens=7)
+    head = seqs.head_mask
+    for name, value in vars(got).items():
+        value, want = (value[head], brute[name][head]) if name == "head_logprobs" else (value, brute[name])
+        torch.testing.assert_close(value.detach(), want, rtol=0, atol=1e-4, msg=name)
+    if batch == "forced-only, no gradient":
+        return
     grads = []
-    for compute in (lambda: token_logprobs(tiny_model, seqs, chunk_tokens=7), lambda: None):
+    for fields in (vars(got), _brute_force_fields(tiny_model, seqs)):
         tiny_model.zero_grad(set_to_none=True)
         weights = torch.Generator().manual_seed(0)  # the same weights for both
-        got = compute()
-        fields = _brute_force_fields(tiny_model, seqs) if got is None else vars(got)
-        if got is not None:
-            brute = {k: v.detach() for k, v in _brute_force_fields(tiny_model, seqs).items()}
-            head = seqs.head_mask
-            for name, value in fields.items():
-                want = brute[name]
-                value = value[head] if name == "head_logprobs" else value
-                want = want[head] if name == "head_logprobs" else want
-                torch.testing.assert_close(value.detach(), want, rtol=0, atol=1e-4, msg=name)
         loss = sum(
             (
                 torch.randn(fields[k].shape, generator=weights)
@@ -129,10 +158,10 @@ def test_every_field_and_its_gradient_equal_the_brute_force_with_forced_position
             ).sum()
             for k in ("logprobs", "head_logprobs", "tail_logprobs", "extra_logprobs")
         )
-        loss.backward()
+        loss.backward(retain_graph=True)
         grads.append(torch.cat([p.grad.flatten() for p in tiny_model.parameters() if p.grad is not None]))
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
-    assert grads[0].abs().sum() > 0 or calls == "forced"
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+    assert (grads[0].abs().sum() > 0) == (batch == "mixed")
 
 
 def test_the_trainer_evaluates_pi_as_served_with_the_recorded_logit_bias(
