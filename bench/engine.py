@@ -2,10 +2,9 @@
 
 The same lab model (random weights from a fixed seed: speed does not depend on them), the same
 left-padded lab prompts, the same sampling (T = 1, no top-k / top-p, no constraint), the same
-token budget; the engine records what it always records (the K = 20 head). The process's startup
-heap is frozen out of the garbage collector's reach first, as a lab run's step process is
-(prodrl_pipeline/heap.py). Each repeat times one run of each contender, the engine and its stubbed
-twin back to back in alternating order. Ratios (median and range over the repeats):
+token budget; the engine records what it always records (the K = 20 head). Each repeat times one
+run of each contender, the engine and its stubbed twin back to back in alternating order. Ratios
+(median and range over the repeats):
 - engine tokens/s ÷ `generate` tokens/s, goal >= 1.5;
 - engine tokens/s ÷ the same engine with recording stubbed out (only the sampled ids kept: no
   log-prob, head, support or extra samples), goal >= 0.98.
@@ -35,7 +34,6 @@ from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import load_tokenizer, render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
-from prodrl_pipeline.heap import freeze_startup_heap
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 
 
@@ -149,7 +147,6 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
     puzzles = list(iter_lab_puzzles("data", "heldout"))[: args.prompts]
     prompts = [render_ids(tok, ChessEpisode(p).messages) for p in puzzles]
     engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id)
-    freeze_startup_heap()  # as a lab run's step process does
     tokens: dict[str, int] = {}
     shares: dict[str, list[float]] = {"forward": [], "recording": [], "stub": []}
 
