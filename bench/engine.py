@@ -6,14 +6,16 @@ token budget; the engine records what it always records (the K = 20 head). Each 
 run of each contender, the engine and its stubbed twin back to back in alternating order. Ratios
 (median and range over the repeats):
 - engine tokens/s ÷ `generate` tokens/s, goal >= 1.5;
-- engine tokens/s ÷ the same engine with recording stubbed out (only the sampled ids kept: no
-  log-prob, head, support or extra samples), goal >= 0.98.
+- the engine's speed with recording ÷ its speed with recording stubbed out (only the sampled ids
+  kept: no log-prob, head, support or extra samples), goal >= 0.98. Whole runs differ by +-15%
+  from one to the next on these machines, more than recording costs; so each repeat times
+  `Rows.record_sampled` inside both runs (the real one and the stub) and the ratio is
+  1 - (recording's seconds - the stub's) ÷ the recording run's seconds: the run with recording
+  made as cheap as the stub, against itself. The ratio of the two whole runs is shown beside it.
 Also shown: the share of the engine's time spent in the model's forward passes (with everything
-else free, the first ratio could grow by 1 ÷ that share at most); the share spent recording
-(`Rows.record_sampled`, timed inside the runs: the real one and the stub), which bounds the second
-ratio (it is about 1 minus their difference); and the share that `torch.topk` of the K = 20 head
-alone would take (what recording the head cannot avoid; an upper estimate, every row timed at
-every step). `--hidden` sets the model's width (the lab's: 128).
+else free, the first ratio could grow by 1 ÷ that share at most), and the share that
+`torch.topk` of the K = 20 head alone would take (what recording the head cannot avoid; an upper
+estimate, every row timed at every step). `--hidden` sets the model's width (the lab's: 128).
 Run: `make bench` (or `.venv/bin/python -m bench.engine`).
 """
 
@@ -148,7 +150,7 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
     prompts = [render_ids(tok, ChessEpisode(p).messages) for p in puzzles]
     engine = TorchEngine(model, tok.eos_token_id, tok.pad_token_id)
     tokens: dict[str, int] = {}
-    shares: dict[str, list[float]] = {"forward": [], "recording": [], "stub": []}
+    inside: dict[str, list[float]] = {"forward": [], "recording": [], "stub": []}  # seconds per run
 
     def run(name: str) -> None:
         if name == "generate":
@@ -156,18 +158,18 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         elif name == "unrecorded":
             with _unrecorded(), _recording_seconds() as stub:
                 tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
-            shares["stub"].append(stub[0])
+            inside["stub"].append(stub[0])
         else:
             with _forward_seconds(model) as spent, _recording_seconds() as recording:
                 tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
-            shares["forward"].append(spent[0])
-            shares["recording"].append(recording[0])
+            inside["forward"].append(spent[0])
+            inside["recording"].append(recording[0])
 
     with torch.inference_mode():
         _engine_tokens(engine, prompts[:4], 4)  # warm-up
         _hf_tokens(model, prompts[:4], 4, tok.pad_token_id, tok.eos_token_id)
         per_run: dict[str, list[float]] = {"engine": [], "unrecorded": [], "generate": []}
-        topk_share = []
+        topk_share, seconds = [], {"engine": [], "unrecorded": []}
         for repeat in range(args.repeats):  # tokens/s of each run (a contender's token count may vary)
             pair = ["engine", "unrecorded"][:: 1 if repeat % 2 == 0 else -1]  # back to back, alternating
             times = alternate({name: lambda n=name: run(n) for name in [*pair, "generate"]}, 1)
@@ -175,9 +177,13 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
                 per_run[name].append(tokens[name] / times[name][0])
             steps = -(-tokens["engine"] // len(prompts))  # decode steps at least
             topk_share.append(_topk_seconds(len(prompts), len(tok), steps) / times["engine"][0])
-            for name, run_name in (("forward", "engine"), ("recording", "engine"), ("stub", "unrecorded")):
-                shares[name][-1] /= times[run_name][0]
-    share = {name: statistics.median(values) for name, values in shares.items()}
+            seconds["engine"].append(times["engine"][0])
+            seconds["unrecorded"].append(times["unrecorded"][0])
+    share = {  # of the run it was timed in
+        name: statistics.median(t / r for t, r in zip(inside[name], seconds[run], strict=True))
+        for name, run in (("forward", "engine"), ("recording", "engine"), ("stub", "unrecorded"))
+    }
+    whole_runs = [e / u for e, u in zip(per_run["engine"], per_run["unrecorded"], strict=True)]
     detail = (
         f"lab model (hidden size {args.hidden}), {args.prompts} prompts x up to {args.new_tokens} new "
         f"tokens, T=1, K=20 recorded, {args.repeats} repeats; tokens/s engine "
@@ -193,12 +199,16 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         ),
         Ratio(
             "engine recording K=20 / recording stubbed out",
-            tuple(e / u for e, u in zip(per_run["engine"], per_run["unrecorded"], strict=True)),
+            tuple(
+                1 - (r - u) / t
+                for r, u, t in zip(inside["recording"], inside["stub"], seconds["engine"], strict=True)
+            ),
             0.98,
             detail=(
                 f"hidden size {args.hidden}; recording takes {share['recording']:.1%} of the engine's time "
                 f"(the stub {share['stub']:.1%}); topk of the K=20 head alone: "
-                f"{statistics.median(topk_share):.1%}"
+                f"{statistics.median(topk_share):.1%}; whole runs side by side: "
+                f"{statistics.median(whole_runs):.2f} ({min(whole_runs):.2f}-{max(whole_runs):.2f})"
             ),
         ),
     ]
