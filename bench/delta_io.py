@@ -10,8 +10,10 @@ the file (`pyarrow.parquet.read_table`). Each repeat times each in turn; a ratio
 Delta's (Delta's speed relative to parquet), median and range over the repeats. Goal: >= 0.8.
 Also shown: what a write spends in deltalake's own calls, timed inside the store's writes: the
 commit (`DeltaTable.create_write_transaction`) and bringing the kept snapshot up to date after it
-(`update_incremental`; deltalake does not return the committed table). Both are a write's
-whatever else it does, so parquet ÷ (parquet + both) bounds the write ratio.
+(`update_incremental`; deltalake does not return the committed table). Both are part of any write
+through deltalake, whatever else the store does, so parquet ÷ (parquet + both) is about the most
+the write ratio can be (about: the Delta file lacks the `round` column, and each repeat pairs one
+parquet sample with one Delta write's).
 Run: `make bench`.
 """
 
@@ -131,7 +133,7 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         f"a round's calls, {table.num_rows} rows, {table.nbytes / 1e6:.1f} MB in Arrow, "
         f"{args.repeats} repeats; {medians}; inside a Delta write, deltalake's commit {commit * 1000:.1f} ms "
         f"and its snapshot's catch-up {catch_up * 1000:.1f} ms: parquet / (parquet + both) = {bound:.2f}, "
-        "the most the write ratio can be through deltalake"
+        "about the most the write ratio can be through deltalake"
     )
     return [
         Ratio(

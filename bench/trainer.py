@@ -3,12 +3,12 @@
 B recorded lab trajectories (lab model, K = 20 head) make one minibatch. The trainer step is
 `train_round` for one step with the round's pi_k already computed (the default estimator, score
 centering over the head: what a lab round runs). The lean step is the least a step must do: from
-tensors already packed, forward, project only the completion positions to the vocabulary,
-cross-entropy of the sampled ids, backward, Adam: the same microbatches, the same model size.
-A forced token (a one-token support: most of a lab call, the tool-call wrapper) has log pi_S = 0
-and no gradient, so the trainer projects only the sampled positions; the lean step of the goal
-does the same (the least a step must do), and the lean step projecting every completion position
-is shown beside it. Each repeat times each, in turn, each on its own copy of the model. Ratio:
+tensors already packed, forward, project only the sampled completion positions to the vocabulary,
+cross-entropy of their ids, backward, Adam: the same microbatches, the same model size. A forced
+token (a one-token support: most of a lab call, the tool-call wrapper) has log pi_S = 0 and no
+gradient in the trainer's objective, so the trainer projects only the sampled positions, and so
+does the lean step of the goal; the lean step projecting every completion position (the baseline
+until 2ca003f) is shown beside it. Each repeat times each, in turn, each on its own copy of the model. Ratio:
 lean step time ÷ trainer step time (the trainer's speed relative to the lean step), goal >= 0.90.
 Also shown: the round's pi_k pass relative to a lean step, and the trainer step with each log-prob
 chunk kept for the backward pass instead of recomputed (the price of the log-prob memory goal).
@@ -58,11 +58,15 @@ def arguments() -> argparse.ArgumentParser:
 SMOKE = ["--batch", "4", "--repeats", "1"]
 
 
-def lean_step(model, optimizer: torch.optim.Optimizer, micros: list[Sequences], every: bool = False) -> None:  # noqa: ANN001
-    """Forward, the sampled positions only (`every`: every completion position) through the output
-    layer, cross-entropy, backward, Adam."""
+def lean_step(
+    model,  # noqa: ANN001
+    optimizer: torch.optim.Optimizer,
+    micros: list[Sequences],
+    picked: list[torch.Tensor],
+) -> None:
+    """Forward, the `picked` completion positions of each microbatch (bool [Ntok]) through the
+    output layer, cross-entropy, backward, Adam."""
     optimizer.zero_grad(set_to_none=True)
-    picked = [torch.ones_like(s.free) if every else s.free for s in micros]
     n = sum(int(p.sum()) for p in picked)
     for s, p in zip(micros, picked, strict=True):
         hidden = model.model(input_ids=s.input_ids, attention_mask=s.attention_mask).last_hidden_state
@@ -107,6 +111,8 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         for mb in _microbatches(recorded, cfg.microbatch_calls)
     ]
     round_start = policy_logprobs(trained, recorded, cfg, tok.pad_token_id, fake_quant=False)
+    sampled = [s.free for s in micros]
+    every_position = [torch.ones_like(p) for p in sampled]
 
     def step() -> None:
         train_round(
@@ -121,14 +127,14 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         {
             "trainer": step,
             "chunks kept": step_chunks_kept,
-            "lean": lambda: lean_step(lean, lean_opt, micros),
-            "lean, every position": lambda: lean_step(every, every_opt, micros, every=True),
+            "lean": lambda: lean_step(lean, lean_opt, micros, sampled),
+            "lean, every position": lambda: lean_step(every, every_opt, micros, every_position),
             "pi_k": lambda: policy_logprobs(trained, recorded, cfg, tok.pad_token_id, fake_quant=False),
         },
         args.repeats,
     )
     n_tokens = sum(len(c["completion_token_ids"]) for c in calls)
-    n_sampled = sum(int(s.free.sum()) for s in micros)
+    n_sampled = sum(int(p.sum()) for p in sampled)
     lean_s = statistics.median(times["lean"])
 
     def over_trainer(name: str, trainer: str = "trainer") -> float:

@@ -12,7 +12,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RATIOS = {
     "engine decode tokens/s / transformers generate",
-    "engine recording K=20 / recording stubbed out",
+    "engine recording K=20 / recording stubbed out (timed inside the runs)",
     "lean step / trainer step (speed, same tokens)",
     "Delta write / parquet write (speed)",
     "Delta write / parquet write, from dicts (speed)",

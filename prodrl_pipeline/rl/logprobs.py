@@ -1,7 +1,8 @@
 """Trainer log-probs of recorded completion tokens, computed in chunks over tokens.
 
-Only completion positions are projected to the vocabulary, `chunk_tokens` at a time, so the
-largest fp32 tensor is [chunk_tokens, V], never [tokens, V] for the batch. From one log-softmax
+Only sampled completion positions are projected to the vocabulary (a forced one's fields are
+constants), `chunk_tokens` at a time, so the largest fp32 tensor is [chunk_tokens, V], never
+[tokens, V] for the batch. From one log-softmax
 per chunk (at the recorded temperature) it derives pi_S = pi renormalized over the support S the
 engine sampled from (structured-output mask or top-k/top-p set; S = V when unrestricted), the
 distribution every estimator compares with mu (mu is 0 outside S), and gathers, per token (pi is

@@ -112,16 +112,20 @@ def _forced_at(seqs, rows, token=None):
     return Sequences(**{**vars(seqs), "support": support})
 
 
-@pytest.mark.parametrize("batch", ["mixed", "forced-only", "forced-only, no gradient"])
+@pytest.mark.parametrize(
+    ("batch", "chunk"),
+    [("mixed", 7), ("mixed", 4096), ("forced-only", 7), ("forced-only, no gradient", 7)],
+    ids=["mixed-several-chunks", "mixed-one-chunk", "forced-only", "forced-only-no-gradient"],
+)
 def test_every_field_and_its_gradient_equal_the_brute_force_with_forced_positions(
-    batch, tiny_model, recorded, tokenizer
+    batch, chunk, tiny_model, recorded, tokenizer
 ):
     """Only the sampled positions are projected; a forced one's fields are constants. Every field,
     at every position, and the gradient of a weighted sum of the fields that carry one equal the
     naive computation's, on calls at several temperatures, some with a logit bias (-100 on a
-    forced token among them), with a forced token of id 0: on a batch mixing both kinds, on one
-    with forced positions only, and on that one without gradient (no projection but the
-    diagnostic's)."""
+    forced token among them), with a forced token of id 0: on a batch mixing both kinds (in several
+    chunks and in one), on one with forced positions only,
+    and on that one without gradient (no projection but the diagnostic's)."""
     calls = recorded.calls
     for i, c in enumerate(calls):
         c["sampling"] = {**c["sampling"], "temperature": (0.7, 1.0, 1.3)[i % 3]}
@@ -140,7 +144,7 @@ def test_every_field_and_its_gradient_equal_the_brute_force_with_forced_position
         brute = _brute_force_fields(tiny_model, seqs)
         gradient = torch.enable_grad() if batch != "forced-only, no gradient" else torch.no_grad()
         with gradient:
-            got = token_logprobs(tiny_model, seqs, chunk_tokens=7)
+            got = token_logprobs(tiny_model, seqs, chunk_tokens=chunk)
     head = seqs.head_mask
     for name, value in vars(got).items():
         value, want = (value[head], brute[name][head]) if name == "head_logprobs" else (value, brute[name])
