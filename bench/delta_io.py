@@ -22,9 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -32,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 from deltalake import DeltaTable
 
-from bench.ratios import Ratio, alternate, report, speedup
+from bench.ratios import Ratio, alternate, report, seconds_in, speedup
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import load_tokenizer
@@ -57,31 +54,6 @@ def _round_of_calls(batch: int, rows: int) -> list[dict]:
     ][:rows]
 
 
-@contextmanager
-def _deltalake_seconds(*methods: str) -> Iterator[dict[str, float]]:
-    """Seconds spent in these `DeltaTable` methods while the block runs (wrapped, not changed)."""
-    spent = dict.fromkeys(methods, 0.0)
-    originals = {name: getattr(DeltaTable, name) for name in methods}
-
-    def timed(name: str):  # noqa: ANN202
-        def call(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
-            t0 = time.perf_counter()
-            try:
-                return originals[name](self, *args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - t0
-
-        return call
-
-    for name in methods:
-        setattr(DeltaTable, name, timed(name))
-    try:
-        yield spent
-    finally:
-        for name, original in originals.items():
-            setattr(DeltaTable, name, original)
-
-
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=256, help="trajectories played")
@@ -104,7 +76,7 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         inside: list[dict[str, float]] = []
 
         def delta_write() -> None:
-            with _deltalake_seconds("create_write_transaction", "update_incremental") as spent:
+            with seconds_in(DeltaTable, "create_write_transaction", "update_incremental") as spent:
                 store.overwrite_round("calls", table, 1)
             inside.append(spent)
 

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
-from bench.ratios import Ratio, alternate, report
+from bench.ratios import Ratio, alternate, report, seconds_in
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request, Rows
 from prodrl_pipeline.engine.sampler import TorchEngine
@@ -55,25 +55,6 @@ def _ids_only(batch: Rows, logp, sampled, extra) -> list[int]:  # noqa: ANN001
         if not batch.done[i]:
             batch.append(i, tok, 0.0, [], [], 0, [], [])
     return toks
-
-
-@contextmanager
-def _recording_seconds() -> Iterator[list[float]]:
-    """Seconds spent in `Rows.record_sampled` (whichever is installed) while the block runs."""
-    record, spent = Rows.record_sampled, [0.0]
-
-    def timed(*args):  # noqa: ANN002
-        t0 = time.perf_counter()
-        try:
-            return record(*args)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    Rows.record_sampled = timed
-    try:
-        yield spent
-    finally:
-        Rows.record_sampled = record
 
 
 @contextmanager
@@ -159,14 +140,14 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         if name == "generate":
             tokens[name] = _hf_tokens(model, prompts, args.new_tokens, tok.pad_token_id, tok.eos_token_id)
         elif name == "unrecorded":
-            with _unrecorded(), _recording_seconds() as stub:
+            with _unrecorded(), seconds_in(Rows, "record_sampled") as stub:
                 tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
-            inside["stub"].append(stub[0])
+            inside["stub"].append(stub["record_sampled"])
         else:
-            with _forward_seconds(model) as spent, _recording_seconds() as recording:
+            with _forward_seconds(model) as spent, seconds_in(Rows, "record_sampled") as recording:
                 tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
             inside["forward"].append(spent[0])
-            inside["recording"].append(recording[0])
+            inside["recording"].append(recording["record_sampled"])
 
     with torch.inference_mode():
         _engine_tokens(engine, prompts[:4], 4)  # warm-up

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -55,6 +56,32 @@ def alternate(contenders: dict[str, Callable[[], object]], repeats: int) -> dict
             fn()
             times[name].append(time.perf_counter() - t0)
     return times
+
+
+@contextmanager
+def seconds_in(cls: type, *methods: str) -> Iterator[dict[str, float]]:
+    """Seconds spent in these methods of `cls` (whichever are installed on entry) while the block
+    runs: each is wrapped by a timer, not changed, and restored on exit."""
+    spent = dict.fromkeys(methods, 0.0)
+    originals = {name: getattr(cls, name) for name in methods}
+
+    def timed(name: str) -> Callable:
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003
+            t0 = time.perf_counter()
+            try:
+                return originals[name](*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+
+        return call
+
+    for name in methods:
+        setattr(cls, name, timed(name))
+    try:
+        yield spent
+    finally:
+        for name, original in originals.items():
+            setattr(cls, name, original)
 
 
 def speedup(times: dict[str, list[float]], subject: str, baseline: str) -> tuple[float, ...]:

@@ -199,12 +199,9 @@ def _projected(
         at = (
             slice(start, min(start + chunk_tokens, n)) if rows is None else rows[start : start + chunk_tokens]
         )
-        support = seqs.support[at] if rows is None else [seqs.support[i] for i in at.tolist()]
-        bias = (
-            None
-            if seqs.bias is None
-            else (seqs.bias[at] if rows is None else [seqs.bias[i] for i in at.tolist()])
-        )
+        picked = at if rows is None else at.tolist()
+        support = _entries(seqs.support, picked)
+        bias = None if seqs.bias is None else _entries(seqs.bias, picked)
         args = (
             h[at],
             weight,
@@ -224,6 +221,11 @@ def _projected(
     return TokenLogprobs(
         *(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs, strict=True))
     )
+
+
+def _entries(values: list, at: slice | list[int]) -> list:
+    """A per-token list's entries at a slice or at listed positions."""
+    return values[at] if isinstance(at, slice) else [values[i] for i in at]
 
 
 def _forced(
