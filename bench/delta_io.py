@@ -9,11 +9,12 @@ needs `pa.Table.from_pylist` first, as the store does). Read back as the round (
 the file (`pyarrow.parquet.read_table`). Each repeat times each in turn; a ratio is parquet's time ÷
 Delta's (Delta's speed relative to parquet), median and range over the repeats. Goal: >= 0.8.
 Also shown: what a write spends in deltalake's own calls, timed inside the store's writes: the
-commit (`DeltaTable.create_write_transaction`) and bringing the kept snapshot up to date after it
-(`update_incremental`; deltalake does not return the committed table). Both are part of any write
-through deltalake, whatever else the store does, so parquet ÷ (parquet + both) is about the most
-the write ratio can be (about: the Delta file lacks the `round` column, and each repeat pairs one
-parquet sample with one Delta write's).
+commit (`DeltaTable.create_write_transaction`), bringing the kept snapshot up to date after it
+(`update_incremental`; deltalake keeps no state from such a commit) and the log checkpoint of every
+tenth commit (`create_checkpoint`: a checkpoint's median seconds ÷ 10 a write; without checkpoints
+the catch-up grows instead). They are part of any write through deltalake, whatever else the store
+does, so parquet ÷ (parquet + them) is about the most the write ratio can be (about: the Delta file
+lacks the `round` column, and each repeat pairs one parquet sample with one Delta write's).
 Run: `make bench`.
 """
 
@@ -37,7 +38,9 @@ from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 from prodrl_pipeline.records.schema import TABLES
-from prodrl_pipeline.records.store import DeltaStore
+from prodrl_pipeline.records.store import CHECKPOINT_INTERVAL, DeltaStore
+
+DELTALAKE_CALLS = ("create_write_transaction", "update_incremental", "create_checkpoint")
 
 
 def _round_of_calls(batch: int, rows: int) -> list[dict]:
@@ -70,20 +73,25 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
     schema = TABLES["calls"]
     table = pa.Table.from_pylist(calls, schema=schema)
     with tempfile.TemporaryDirectory() as tmp:
-        store, file = DeltaStore(Path(tmp) / "tables"), Path(tmp) / "calls.parquet"
-        store.overwrite_round("calls", table, 1)  # the table exists, as after a first round
+        # one table per Delta write line: each of its writes commits the next version, and so
+        # pays the log checkpoint of every tenth commit as a round's writes do (one shared table
+        # would give every checkpoint to whichever line writes the even versions)
+        store, dict_store = DeltaStore(Path(tmp) / "tables"), DeltaStore(Path(tmp) / "from_dicts")
+        for each in (store, dict_store):
+            each.overwrite_round("calls", table, 1)  # the table exists, as after a first round
+        file = Path(tmp) / "calls.parquet"
         pq.write_table(table, file)
         inside: list[dict[str, float]] = []
 
         def delta_write() -> None:
-            with seconds_in(DeltaTable, "create_write_transaction", "update_incremental") as spent:
+            with seconds_in(DeltaTable, *DELTALAKE_CALLS) as spent:
                 store.overwrite_round("calls", table, 1)
             inside.append(spent)
 
         times = alternate(
             {
                 "delta write": delta_write,
-                "delta write (dicts)": lambda: store.overwrite_round("calls", calls, 1),
+                "delta write (dicts)": lambda: dict_store.overwrite_round("calls", calls, 1),
                 "parquet write": lambda: pq.write_table(table, file),
                 "parquet write (dicts)": lambda: pq.write_table(
                     pa.Table.from_pylist(calls, schema=schema), file
@@ -94,17 +102,21 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             args.repeats,
         )
         assert store.read("calls", 1).num_rows == table.num_rows == pq.read_table(file).num_rows
+        assert dict_store.read("calls", 1).num_rows == table.num_rows
     medians = ", ".join(f"{name} {statistics.median(ts) * 1000:.0f} ms" for name, ts in times.items())
     commit = statistics.median(s["create_write_transaction"] for s in inside)
     catch_up = statistics.median(s["update_incremental"] for s in inside)
+    made = [s["create_checkpoint"] for s in inside if s["create_checkpoint"]]  # one write in ten
+    checkpoint = statistics.median(made) / CHECKPOINT_INTERVAL if made else 0.0
     bound = statistics.median(
-        p / (p + s["create_write_transaction"] + s["update_incremental"])
+        p / (p + s["create_write_transaction"] + s["update_incremental"] + checkpoint)
         for p, s in zip(times["parquet write"], inside, strict=True)
     )
     detail = (
         f"a round's calls, {table.num_rows} rows, {table.nbytes / 1e6:.1f} MB in Arrow, "
-        f"{args.repeats} repeats; {medians}; inside a Delta write, deltalake's commit {commit * 1000:.1f} ms "
-        f"and its snapshot's catch-up {catch_up * 1000:.1f} ms: parquet / (parquet + both) = {bound:.2f}, "
+        f"{args.repeats} repeats; {medians}; inside a Delta write, deltalake's commit "
+        f"{commit * 1000:.1f} ms, its snapshot's catch-up {catch_up * 1000:.1f} ms and its log "
+        f"checkpoints {checkpoint * 1000:.1f} ms a write: parquet / (parquet + them) = {bound:.2f}, "
         "about the most the write ratio can be through deltalake"
     )
     return [
