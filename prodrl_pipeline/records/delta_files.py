@@ -47,23 +47,6 @@ def local_folder(table: DeltaTable) -> str:
     return unquote(table.table_uri.removeprefix("file://"))
 
 
-def snapshot_files(table: DeltaTable, round_: int | None) -> list[DataFile] | None:
-    """The data files `table`'s snapshot lists (only those of `round_` if given, for a partitioned
-    table); None if a file is not in the table's local folder (an object store's)."""
-    adds = pa.table(table.get_add_actions(flatten=True))
-    paths = adds["path"].to_pylist()
-    if any("://" in path for path in paths):
-        return None
-    folder = local_folder(table)  # the log's paths are relative and URL-encoded
-    partitioned = PARTITION in table.metadata().partition_columns
-    values = adds[f"partition.{PARTITION}"].to_pylist() if partitioned else [None] * len(paths)
-    return [
-        DataFile(os.path.join(folder, unquote(path)), partitioned, value)
-        for path, value in zip(paths, values, strict=True)
-        if not (partitioned and round_ is not None and value != int(round_))
-    ]
-
-
 def read_file(file: DataFile, round_: int | None) -> pa.Table:
     """One file's rows (those of `round_` if given); a partitioned table's `round` is the file's
     partition value (the log's, null included), not a column of the file."""
@@ -191,7 +174,12 @@ def _millis(value: datetime.datetime, up: bool) -> str:
 def newer_commit(table: DeltaTable) -> bool:
     """Whether the local `table` has a commit after its snapshot's: the next version's commit file
     exists (a stat, ~10 µs, where deltalake's look takes ~0.5 ms)."""
-    return os.path.exists(_commit_file(local_folder(table), table.version() + 1))
+    return commit_exists(local_folder(table), table.version() + 1)
+
+
+def commit_exists(folder: str, version: int) -> bool:
+    """Whether the local table in `folder` has a commit at `version` (a stat)."""
+    return os.path.exists(commit_file_path(folder, version))
 
 
 def log_identity(table: DeltaTable) -> tuple[int, int, int] | None:
@@ -199,13 +187,13 @@ def log_identity(table: DeltaTable) -> tuple[int, int, int] | None:
     in ns); None if it is gone. Another value means another file (an inode is reused at once): the
     table was deleted and made anew."""
     try:
-        stat = os.stat(_commit_file(local_folder(table), table.version()))
+        stat = os.stat(commit_file_path(local_folder(table), table.version()))
     except FileNotFoundError:
         return None
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
-def _commit_file(folder: str, version: int) -> str:
+def commit_file_path(folder: str, version: int) -> str:
     return os.path.join(folder, "_delta_log", f"{version:020d}.json")
 
 
@@ -213,7 +201,7 @@ def commit_version(folder: str, path: str, after: int, latest: int) -> int:
     """The version, in (after, latest], whose commit added the file at `path` (relative, as in the
     log): read from the commit files, as deltalake does not return the version it committed."""
     for version in range(after + 1, latest + 1):
-        with open(_commit_file(folder, version), encoding="utf-8") as f:
+        with open(commit_file_path(folder, version), encoding="utf-8") as f:
             actions = [json.loads(line) for line in f if line.strip()]
         if any(action.get("add", {}).get("path") == path for action in actions):
             return version

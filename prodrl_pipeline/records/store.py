@@ -6,13 +6,16 @@ QueryBuilder): the one SQL engine of the project.
 
 A store keeps each table's latest snapshot and brings it up to date before each read or write (the
 commits since it was last used: ~0.5 ms, against ~8 ms to open the table). A local table of the
-store's schema is written as a parquet file by pyarrow, committed by deltalake
-(`delta_files`); any other write goes through deltalake's writer.
+store's schema is written as a parquet file by pyarrow (`delta_files`) and committed by the store
+itself (`delta_log`; deltalake's commit when another writer took the version): between deltalake's
+catch-ups its reads and writes are served from the files its own commits left. Any other write goes
+through deltalake's writer.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
 import threading
@@ -33,16 +36,18 @@ from deltalake import (
 from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError
 
+from prodrl_pipeline.records import delta_log
 from prodrl_pipeline.records.delta_files import (
     PARTITION,
+    commit_exists,
     commit_version,
     local_folder,
     log_identity,
     newer_commit,
     read_file,
-    snapshot_files,
     write_file,
 )
+from prodrl_pipeline.records.delta_log import LiveFiles
 from prodrl_pipeline.records.schema import TABLES
 
 log = logging.getLogger(__name__)
@@ -125,6 +130,9 @@ class DeltaStore:
         self.versions_read: dict[str, set[int]] = {}
         self.versions_written: dict[str, set[int]] = {}
         self._snapshots: dict[str, tuple[DeltaTable, tuple[int, int, int] | None]] = {}
+        self._live: dict[str, LiveFiles] = {}
+        """Per table, the files the store's own commits since its snapshot's version left (the
+        commits after that version are all its own); absent when the snapshot is current."""
         self._locks: dict[str, threading.Lock] = {}
 
     def uri(self, table: str) -> str:
@@ -162,20 +170,25 @@ class DeltaStore:
             ) from e
 
     @contextmanager
-    def _latest(self, table: str) -> Iterator[DeltaTable | None]:
+    def _latest(self, table: str, own: bool = False) -> Iterator[DeltaTable | None]:
         """The table's kept snapshot brought to its latest version, or None if the table does not
         exist, with the table's lock held (the store's threads share it: a gateway's landing and live
-        follower). A read or write that fails drops it: the next one opens the table afresh, as
-        does one that finds the snapshot's own commit file gone or replaced (the table deleted and
-        made anew under this store; `log_identity`)."""
+        follower). With `own`, a snapshot behind only the store's own commits stays there: the
+        caller reads `_live` (a foreign commit after them brings it up to date). A read or write
+        that fails drops it: the next one opens the table afresh, as does one that finds the
+        snapshot's own commit file gone or replaced (the table deleted and made anew under this
+        store; `log_identity`)."""
         with self._locks.setdefault(table, threading.Lock()):
             dt, identity = self._snapshots.get(table, (None, None))
+            live = self._live.pop(table, None)
             try:
                 if dt is not None and self._local and log_identity(dt) != identity:
-                    dt = None
+                    dt, live = None, None
                 if dt is None:
                     dt = self.table(table) if self.exists(table) else None
-                elif not self._local or newer_commit(dt):
+                elif live is not None and own and not commit_exists(local_folder(dt), live.version + 1):
+                    self._live[table] = live
+                elif live is not None or not self._local or newer_commit(dt):
                     with self._reading(table):
                         dt.update_incremental()
                 yield dt
@@ -183,13 +196,15 @@ class DeltaStore:
                     self._snapshots[table] = (dt, log_identity(dt) if self._local else None)
             except BaseException:
                 self._snapshots.pop(table, None)
+                self._live.pop(table, None)
                 raise
 
     @contextmanager
     def _snapshot(self, table: str, version: int | None) -> Iterator[DeltaTable | None]:
-        """The latest snapshot (kept, locked), or the table at a pinned `version` (opened)."""
+        """The latest snapshot (kept, locked; `_live` may be ahead of it), or the table at a pinned
+        `version` (opened)."""
         if version is None:
-            with self._latest(table) as dt:
+            with self._latest(table, own=True) as dt:
                 yield dt
         else:
             yield self.table(table, version) if self.exists(table) else None
@@ -254,9 +269,17 @@ class DeltaStore:
         mode = "append" if predicate is None else "overwrite"
         partition_by = [PARTITION] if table in PARTITIONED else None
         try:
-            with self._latest(table) as target:
+            with self._latest(table, own=True) as target:
                 rounds = self._whole_rounds(table, data, predicate, round_) if target is not None else []
-                commit = self._commit(extra, transaction, rounds, target.version() if target else 0)
+                partition = target is not None and self._file_partition(
+                    target, table, data, predicate, rounds
+                )
+                if partition is False and self._live.pop(table, None):  # deltalake's writer reads it
+                    with self._reading(table):
+                        target.update_incremental()
+                live = self._live.get(table)
+                read_version = live.version if live else target.version() if target else 0
+                commit = self._commit(extra, transaction, rounds, read_version)
                 if target is None:
                     write_deltalake(
                         self.uri(table),
@@ -269,7 +292,7 @@ class DeltaStore:
                         post_commithook_properties=NO_HOOKS,
                     )
                     version = 0
-                elif (partition := self._file_partition(target, table, data, predicate, rounds)) is not False:
+                elif partition is not False:
                     version = self._commit_file(target, table, data, partition, predicate, commit)
                 else:
                     write_deltalake(
@@ -336,17 +359,31 @@ class DeltaStore:
         predicate: str | None,
         commit: CommitProperties,
     ) -> int | None:
-        """Write `data` as one file (pyarrow) and commit it (deltalake: its conflict checks, retries
-        and app transactions): appended, or replacing the files of round `partition`. Returns the
-        commit's version (None if it cannot be read back: logged) and leaves `target` at the latest
-        version."""
-        folder, read_version = local_folder(target), target.version()
-        add = write_file(folder, data, partition, partitioned=table in PARTITIONED)
+        """Write `data` as one file (pyarrow) and commit it: appended, or replacing the files of
+        round `partition`. The store commits it itself as the version after the one it read
+        (`_live`'s, else `target`'s), which then stays behind; if another writer took that version,
+        deltalake commits it from the version read (its conflict checks, retries and app
+        transactions), and `target` is left at the latest version. Returns the commit's version
+        (None if deltalake's cannot be read back: logged)."""
+        folder, partitioned = local_folder(target), table in PARTITIONED
+        live = self._live.pop(table, None) or LiveFiles.of(target)
+        add = write_file(folder, data, partition, partitioned=partitioned)
+        read_version = target.version() if live is None else live.version
+        if live is not None:  # every file in the table's folder: the store can name those it removes
+            removed = [] if predicate is None else live.of_partition(str(partition))
+            mode = {"mode": "Append" if predicate is None else "Overwrite"}
+            operation = {**mode, "partitionBy": json.dumps([PARTITION] if partitioned else [])}
+            txns = [(t.app_id, t.version) for t in commit.app_transactions or ()]
+            if delta_log.commit(folder, live, add, removed, txns, operation, commit.custom_metadata or {}):
+                self._live[table] = live.after(add, removed)
+                return live.version + 1
+        if target.version() != read_version:  # behind the store's own commits: to the version read
+            target.load_as_version(read_version)
         target.create_write_transaction(
             [add],
             "append" if predicate is None else "overwrite",
             target.schema(),
-            [PARTITION] if table in PARTITIONED else None,
+            [PARTITION] if partitioned else None,
             None if predicate is None else [(PARTITION, "=", str(partition))],
             commit_properties=commit,
             post_commithook_properties=NO_HOOKS,
@@ -366,6 +403,8 @@ class DeltaStore:
         if version % CHECKPOINT_INTERVAL:
             return
         try:
+            if self._live.pop(table, None):  # deltalake checkpoints its snapshot's version
+                dt.update_incremental()
             dt.create_checkpoint()
         except (DeltaError, OSError) as e:
             log.warning("table %r: the log checkpoint at version %d failed: %s", table, version, e)
@@ -412,9 +451,14 @@ class DeltaStore:
         with self._snapshot(table, version) as dt:
             if dt is None:
                 return TABLES[table].empty_table()
-            self._seen(self.versions_read, table, dt.version())
+            live = self._live.get(table) if version is None else None
+            self._seen(self.versions_read, table, live.version if live else dt.version())
             with self._reading(table):  # the log's per-file stats are parsed only now
-                files = snapshot_files(dt, round_) if self._plain(dt) else None
+                if self._plain(dt) and (live := live or LiveFiles.of(dt)) is not None:
+                    partitioned = PARTITION in dt.metadata().partition_columns
+                    files = live.data_files(local_folder(dt), partitioned, round_)
+                else:
+                    files = None
                 parts = [_read_sql(dt, round_)] if files is None else []
         try:  # the files are read with the snapshot free for other threads
             with self._reading(table):
