@@ -59,11 +59,11 @@ def alternate(contenders: dict[str, Callable[[], object]], repeats: int) -> dict
 
 
 @contextmanager
-def seconds_in(cls: type, *methods: str) -> Iterator[dict[str, float]]:
-    """Seconds spent in these methods of `cls` (whichever are installed on entry) while the block
-    runs: each is wrapped by a timer, not changed, and restored on exit."""
+def seconds_in(owner: object, *methods: str) -> Iterator[dict[str, float]]:
+    """Seconds spent in these functions of `owner`, a class or a module (whichever are installed on
+    entry) while the block runs: each is wrapped by a timer, not changed, and restored on exit."""
     spent = dict.fromkeys(methods, 0.0)
-    originals = {name: getattr(cls, name) for name in methods}
+    originals = {name: getattr(owner, name) for name in methods}
 
     def timed(name: str) -> Callable:
         def call(*args, **kwargs):  # noqa: ANN002, ANN003
@@ -76,12 +76,12 @@ def seconds_in(cls: type, *methods: str) -> Iterator[dict[str, float]]:
         return call
 
     for name in methods:
-        setattr(cls, name, timed(name))
+        setattr(owner, name, timed(name))
     try:
         yield spent
     finally:
         for name, original in originals.items():
-            setattr(cls, name, original)
+            setattr(owner, name, original)
 
 
 def speedup(times: dict[str, list[float]], subject: str, baseline: str) -> tuple[float, ...]:
