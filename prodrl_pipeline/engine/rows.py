@@ -121,7 +121,9 @@ class Rows:
             n_head = min(k, size)
             stored = n_head < size < self.vocab_size
             support = kept_mask[i].nonzero().squeeze(1).tolist() if stored else []
-            self.append(i, tok, lps[i], heads[i][:n_head], head_lps[i][:n_head], size, support, extras[i])
+            if n_head < k:  # the head's -inf entries cut (a full head is the row's own fresh list)
+                heads[i], head_lps[i] = heads[i][:n_head], head_lps[i][:n_head]
+            self.append(i, tok, lps[i], heads[i], head_lps[i], size, support, extras[i])
         return toks
 
     def force_common(self) -> list[list[int]]:
