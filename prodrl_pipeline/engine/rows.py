@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prodrl_pipeline.engine.constraints import Constraint
+from prodrl_pipeline.engine.head import recorded_head
 from prodrl_pipeline.engine.processing import SamplingParams
 
 
@@ -106,15 +107,15 @@ class Rows:
         batch's tensors become lists in a few calls (not a few per row): a busy gateway's engine
         thread re-takes the GIL after every torch call."""
         k = min(self.top_logprobs, self.vocab_size)
-        head_lp, head_ids = logp.topk(k, dim=-1)  # [N, K]
-        if bool(logp.amin() > float("-inf")):  # nothing removed anywhere (one cheap pass): all kept
-            kept_mask, kept = None, [self.vocab_size] * len(self.done)
-        else:  # the kept support (a broken row's NaNs are never recorded)
+        head = recorded_head(logp, k, sampled)
+        if head.restricted:  # the kept support (a broken row's NaNs are never recorded)
             kept_mask = logp > float("-inf")
             kept = kept_mask.sum(-1).tolist()
+        else:  # nothing removed anywhere: all kept
+            kept_mask, kept = None, [self.vocab_size] * len(self.done)
         toks = sampled.tolist()
-        lps = logp.gather(1, sampled[:, None]).squeeze(1).tolist()
-        heads, head_lps, extras = head_ids.tolist(), head_lp.tolist(), extra.tolist()
+        lps = head.sampled_logp.tolist()
+        heads, head_lps, extras = head.ids.tolist(), head.values.tolist(), extra.tolist()
         for i, (tok, size) in enumerate(zip(toks, kept, strict=True)):
             if self.done[i]:
                 continue

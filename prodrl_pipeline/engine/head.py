@@ -1,0 +1,89 @@
+"""The recorded head of a decode step: what `Rows.record_sampled` reads from the step's log-probs.
+
+For log-probs `logp` [N, V] of mu and the sampled ids [N]: each row's K largest log-probs, sorted
+descending, with their ids (the head of the data contract; entries past a row's kept support are
+-inf and are cut by the caller), each sampled id's log-prob, and whether any entry is -inf (then the
+kept supports must be counted). Values are exactly `torch.topk`'s and `gather`'s; of tied entries
+the compiled kernel keeps the lower ids first, `torch.topk` in an order of its own.
+
+On CPU the compiled kernel (`_head.c`, built at install: pyproject.toml) computes all of it in one
+pass over each row; `torch.topk` over V = 5,025 took more than half of recording's time in the
+engine (docs/performance.md). Elsewhere (a GPU, another dtype, no kernel built) torch's operations
+do it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Head:
+    values: torch.Tensor  # [N, K] float32, descending
+    ids: torch.Tensor  # [N, K] int64
+    sampled_logp: torch.Tensor  # [N]
+    restricted: bool  # some row holds a -inf entry
+
+
+def _load_kernel() -> ctypes.CDLL | None:
+    """The built kernel, or None (logged once) if the install built none."""
+    here = os.path.dirname(__file__)
+    found = sorted(glob.glob(os.path.join(here, "_head*.so")))
+    if not found:
+        log.info("no compiled head kernel in %s: the recorded head uses torch.topk", here)
+        return None
+    lib = ctypes.CDLL(found[0])
+    fn = lib.prodrl_recorded_head
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
+    return lib
+
+
+_KERNEL = _load_kernel()
+
+
+def recorded_head(logp: torch.Tensor, k: int, sampled: torch.Tensor) -> Head:
+    """The head of K entries of each row of `logp` [N, V], the log-probs of `sampled` [N] (ids in
+    [0, V)) and whether any entry is -inf."""
+    n, v = logp.shape
+    if k < 1:
+        raise ValueError(f"the head needs K >= 1 entries, got {k}")
+    sampled = sampled.contiguous()
+    if _KERNEL is not None and _compiled_layout(logp, sampled) and k <= v:
+        values = torch.empty((n, k), dtype=torch.float32)
+        ids = torch.empty((n, k), dtype=torch.int64)
+        sampled_logp = torch.empty(n, dtype=torch.float32)
+        removed = _KERNEL.prodrl_recorded_head(
+            logp.data_ptr(),
+            n,
+            v,
+            k,
+            sampled.data_ptr(),
+            values.data_ptr(),
+            ids.data_ptr(),
+            sampled_logp.data_ptr(),
+        )
+        if removed >= 0:
+            return Head(values, ids, sampled_logp, removed > 0)
+    values, ids = logp.topk(min(k, v), dim=-1)
+    sampled_logp = logp.gather(1, sampled[:, None]).squeeze(1)
+    return Head(values, ids, sampled_logp, not bool(logp.amin() > float("-inf")))
+
+
+def _compiled_layout(logp: torch.Tensor, sampled: torch.Tensor) -> bool:
+    """Whether the kernel reads these tensors as they are: on CPU, float32 in C order, int64 ids."""
+    return (
+        logp.device.type == "cpu"
+        and logp.dtype == torch.float32
+        and logp.is_contiguous()
+        and sampled.dtype == torch.int64
+        and sampled.shape == logp.shape[:1]
+    )
