@@ -15,9 +15,11 @@ run of each contender, the engine and its stubbed twin back to back in alternati
   what it causes elsewhere (freeing its lists, collections triggered outside it): slightly
   optimistic. The ratio of the two whole runs is shown beside it.
 Also shown: the share of the engine's time spent in the model's forward passes (with everything
-else free, the first ratio could grow by 1 ÷ that share at most), and the share that
-`torch.topk` of the K = 20 head alone would take (what recording the head cannot avoid; timed on
-its own, random logits, every row at every step: inside a run it reads higher). `--hidden` sets
+else free, the first ratio could grow by 1 ÷ that share at most), and the share that the K = 20
+head alone would take (what recording the head cannot avoid), as the engine computes it
+(`engine/head.py`: the compiled kernel) and as `torch.topk` does: timed on their own, every row at
+every step, on random log-probs that change at every step as a decode step's do (the same matrix
+over and over would train the branch predictor); inside a run each reads higher. `--hidden` sets
 the model's width (the lab's: 128).
 Run: `make bench` (or `.venv/bin/python -m bench.engine`).
 """
@@ -33,6 +35,7 @@ from contextlib import contextmanager
 import torch
 
 from bench.ratios import Ratio, alternate, report, seconds_in
+from prodrl_pipeline.engine.head import recorded_head
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request, Rows
 from prodrl_pipeline.engine.sampler import TorchEngine
@@ -102,13 +105,18 @@ def _forward_seconds(model) -> Iterator[list[float]]:  # noqa: ANN001
         post.remove()
 
 
-def _topk_seconds(rows: int, vocab: int, steps: int, k: int = 20) -> float:
-    """`torch.topk` of a K head on [rows, vocab] logits, once per decode step."""
-    logits = torch.randn(rows, vocab)
-    start = time.perf_counter()
-    for _ in range(steps):
-        torch.topk(logits, k)
-    return time.perf_counter() - start
+def _head_seconds(rows: int, vocab: int, steps: int, k: int = 20) -> dict[str, float]:
+    """Seconds of a K head of [rows, vocab] log-probs once per decode step, on 8 matrices in turn:
+    as the engine computes it (`recorded_head`) and by `torch.topk`."""
+    logp = [torch.randn(rows, vocab).mul(3).log_softmax(-1) for _ in range(8)]
+    sampled = torch.zeros(rows, dtype=torch.long)
+    spent = {}
+    for name, head in (("head", lambda x: recorded_head(x, k, sampled)), ("topk", lambda x: x.topk(k))):
+        start = time.perf_counter()
+        for step in range(steps):
+            head(logp[step % len(logp)])
+        spent[name] = time.perf_counter() - start
+    return spent
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -153,14 +161,15 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         _engine_tokens(engine, prompts[:4], 4)  # warm-up
         _hf_tokens(model, prompts[:4], 4, tok.pad_token_id, tok.eos_token_id)
         per_run: dict[str, list[float]] = {"engine": [], "unrecorded": [], "generate": []}
-        topk_share, seconds = [], {"engine": [], "unrecorded": []}
+        head_share, seconds = {"head": [], "topk": []}, {"engine": [], "unrecorded": []}
         for repeat in range(args.repeats):  # tokens/s of each run (a contender's token count may vary)
             pair = ["engine", "unrecorded"][:: 1 if repeat % 2 == 0 else -1]  # back to back, alternating
             times = alternate({name: lambda n=name: run(n) for name in [*pair, "generate"]}, 1)
             for name in per_run:
                 per_run[name].append(tokens[name] / times[name][0])
             steps = -(-tokens["engine"] // len(prompts))  # decode steps at least
-            topk_share.append(_topk_seconds(len(prompts), len(tok), steps) / times["engine"][0])
+            for name, spent in _head_seconds(len(prompts), len(tok), steps).items():
+                head_share[name].append(spent / times["engine"][0])
             seconds["engine"].append(times["engine"][0])
             seconds["unrecorded"].append(times["unrecorded"][0])
     share = {  # of the run it was timed in
@@ -190,8 +199,9 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             0.98,
             detail=(
                 f"hidden size {args.hidden}; recording takes {share['recording']:.1%} of the engine's time "
-                f"(the stub {share['stub']:.1%}); topk of the K=20 head alone: "
-                f"{statistics.median(topk_share):.1%}; whole runs side by side: "
+                f"(the stub {share['stub']:.1%}); the K=20 head alone: "
+                f"{statistics.median(head_share['head']):.1%} (torch.topk "
+                f"{statistics.median(head_share['topk']):.1%}); whole runs side by side: "
                 f"{statistics.median(whole_runs):.2f} ({min(whole_runs):.2f}-{max(whole_runs):.2f})"
             ),
         ),
