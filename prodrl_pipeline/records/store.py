@@ -338,14 +338,17 @@ class DeltaStore:
         partition (a round; None for an unpartitioned table): False unless the table is local, of
         reader protocol 1 and writer protocol 2 with no features, has exactly the store's schema,
         and the write is an append, or writes one whole round (`rounds`, from `_whole_rounds`) of a
-        partitioned table."""
+        partitioned table; not on an append-only table (`delta.appendOnly`)."""
         writer = target.protocol()
         if not (self._plain(target) and writer.min_writer_version <= 2 and not writer.writer_features):
             return False
         if data.num_rows == 0 or target.schema().to_json() != _delta_schema(table):
             return False
-        if target.metadata().partition_columns != ([PARTITION] if table in PARTITIONED else []):
+        metadata = target.metadata()
+        if metadata.partition_columns != ([PARTITION] if table in PARTITIONED else []):
             return False  # a table partitioned otherwise than the store's: deltalake's writer says so
+        if metadata.configuration.get("delta.appendOnly", "false").lower() == "true":
+            return False  # an overwrite's removes are refused there: deltalake's writer says so
         if table not in PARTITIONED:
             return None if predicate is None else False
         return rounds[0] if len(rounds) == 1 and rounds[0] is not None else False

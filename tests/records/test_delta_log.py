@@ -94,3 +94,15 @@ def test_a_round_another_writer_overwrote_first_conflicts_though_ours_is_ahead_o
             ours._commit_file(stale, "calls", data, 1, "round = 1", commit)
     assert [r["call_id"] for r in theirs.read("calls", 1).to_pylist()] == ["c2"]
     assert DeltaTable(ours.uri("calls")).version() == 2
+
+
+def test_an_append_only_table_refuses_a_round_overwrite_as_deltalake_does(tmp_path):
+    """The store's own commit would write the removes deltalake refuses on `delta.appendOnly`."""
+    store = DeltaStore(tmp_path)
+    store.overwrite_round("calls", [_call(0, 1, [1], [-1.0])], 1)
+    store.overwrite_round("calls", [_call(1, 1, [1], [-1.0])], 1)  # ours ahead of its snapshot
+    DeltaTable(store.uri("calls")).alter.set_table_properties({"delta.appendOnly": "true"})
+    with pytest.raises(CommitFailedError, match="append-only"):
+        store.overwrite_round("calls", [_call(2, 1, [1], [-1.0])], 1)
+    store.append("calls", [_call(3, 2, [1], [-1.0])])  # appends still land
+    assert _ids(store.read("calls")) == [(1, "c1"), (2, "c3")]
