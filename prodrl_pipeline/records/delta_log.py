@@ -31,6 +31,21 @@ from deltalake.transaction import AddAction
 
 from prodrl_pipeline.records.delta_files import PARTITION, DataFile, commit_file_path
 
+RESERVED = frozenset(
+    {
+        "timestamp",
+        "operation",
+        "operationParameters",
+        "engineInfo",
+        "clientVersion",
+        "readVersion",
+        "isBlindAppend",
+        "operationMetrics",
+    }
+)
+"""commitInfo fields the writer sets: commit metadata may not name them (deltalake refuses them too;
+a reader parses them, so a string where it expects a number makes the table's history unreadable)."""
+
 
 @dataclass(frozen=True)
 class LiveFiles:
@@ -89,6 +104,8 @@ def commit(
     """Commit `add`, removing the files `removed`, as version `live.version + 1` of the table in
     `folder`; False (nothing committed) if another writer holds that version. `operation` is the
     commitInfo's operation parameters; `metadata` its custom keys."""
+    if clash := RESERVED.intersection(metadata):
+        raise ValueError(f"commit metadata may not set the commitInfo fields {sorted(clash)}")
     now = int(time.time() * 1000)
     info = {
         "timestamp": now,

@@ -125,6 +125,8 @@ class DeltaStore:
     ):
         self.root = str(root).rstrip("/")
         self.commit_metadata = dict(commit_metadata or {})
+        if clash := delta_log.RESERVED.intersection(self.commit_metadata):
+            raise ValueError(f"commit_metadata may not set the commitInfo fields {sorted(clash)}")
         self.storage_options = dict(storage_options or {}) or None
         self.lineage = lineage
         self.versions_read: dict[str, set[int]] = {}

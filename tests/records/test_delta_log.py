@@ -106,3 +106,13 @@ def test_an_append_only_table_refuses_a_round_overwrite_as_deltalake_does(tmp_pa
         store.overwrite_round("calls", [_call(2, 1, [1], [-1.0])], 1)
     store.append("calls", [_call(3, 2, [1], [-1.0])])  # appends still land
     assert _ids(store.read("calls")) == [(1, "c1"), (2, "c3")]
+
+
+def test_commit_metadata_may_not_set_the_fields_a_reader_parses(tmp_path):
+    """A `timestamp` string in commitInfo would make the table's history unreadable."""
+    with pytest.raises(ValueError, match="timestamp"):
+        DeltaStore(tmp_path, commit_metadata={"timestamp": "2026-01-01"})
+    store = DeltaStore(tmp_path, commit_metadata={"run": "r"})
+    store.overwrite_round("calls", [_call(0, 1, [1], [-1.0])], 1)
+    store.overwrite_round("calls", [_call(1, 1, [1], [-1.0])], 1)  # the store's own commit
+    assert [h["run"] for h in DeltaTable(store.uri("calls")).history()] == ["r", "r"]
