@@ -25,6 +25,7 @@
 static inline int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
 
 static inline int32_t key_of(float f) {
+    f += 0.0f; /* -0.0 to 0.0: equal floats, one key */
     int32_t bits;
     memcpy(&bits, &f, sizeof bits);
     return order_key(bits);
@@ -82,7 +83,11 @@ static int32_t kth_largest(const int32_t *keys, int64_t n, int64_t k, int32_t *t
     return top[k - 1];
 }
 
-/* Returns the number of rows holding a -inf entry, or -1 if k < 1 or memory ran out. */
+/* The calling convention below; engine/head.py loads no build of another. */
+int64_t prodrl_head_abi(void) { return 1; }
+
+/* Returns the number of rows holding a -inf entry (or a NaN of negative sign), -1 if k < 1 or
+ * memory ran out, -2 if a sampled id is outside [0, v). */
 #if defined(__x86_64__)
 __attribute__((target_clones("avx2", "default")))
 #endif
@@ -136,7 +141,11 @@ prodrl_recorded_head(const float *logp, int64_t n, int64_t v, int64_t k, const i
         for (int64_t c = 0; c < n_candidates; c++) /* in id order: ties keep the lower ids */
             if (x[candidates[c]] > hv[k - 1])
                 insert(hv, hi, k, x[candidates[c]], candidates[c]);
-        sampled_logp[r] = sampled[r] >= 0 && sampled[r] < v ? x[sampled[r]] : NAN;
+        if (sampled[r] < 0 || sampled[r] >= v) {
+            removed = -2;
+            break;
+        }
+        sampled_logp[r] = x[sampled[r]];
     }
     free(block_max);
     return removed;

@@ -15,9 +15,8 @@ do it.
 from __future__ import annotations
 
 import ctypes
-import glob
+import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,29 +29,47 @@ class Head:
     values: torch.Tensor  # [N, K] float32, descending
     ids: torch.Tensor  # [N, K] int64
     sampled_logp: torch.Tensor  # [N]
-    restricted: bool  # some row holds a -inf entry
+    restricted: bool  # some row holds a -inf entry (a row holding a NaN, never recorded, aside)
 
 
-def _load_kernel() -> ctypes.CDLL | None:
-    """The built kernel, or None (logged once) if the install built none."""
-    here = os.path.dirname(__file__)
-    found = sorted(glob.glob(os.path.join(here, "_head*.so")))
-    if not found:
-        log.info("no compiled head kernel in %s: the recorded head uses torch.topk", here)
+ABI = 1
+"""The kernel's calling convention (`prodrl_head_abi` in `_head.c`)."""
+
+
+def _load_kernel(path: str | None) -> ctypes.CDLL | None:
+    """The kernel built at `path` (the extension module's file for this interpreter), or None,
+    logged, if there is none or it does not load as a kernel of this calling convention."""
+    if path is None:
+        log.info("no compiled head kernel: the recorded head uses torch.topk")
         return None
-    lib = ctypes.CDLL(found[0])
-    fn = lib.prodrl_recorded_head
+    try:
+        lib = ctypes.CDLL(path)
+        abi = lib.prodrl_head_abi
+        fn = lib.prodrl_recorded_head
+    except (OSError, AttributeError) as e:
+        log.warning("the head kernel %s does not load (%s): the recorded head uses torch.topk", path, e)
+        return None
+    abi.restype = ctypes.c_int64
+    if abi() != ABI:
+        log.warning("the head kernel %s is a stale build (reinstall): the head uses torch.topk", path)
+        return None
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
     return lib
 
 
-_KERNEL = _load_kernel()
+def _built() -> str | None:
+    """The extension module's file for this interpreter, if the install built one."""
+    spec = importlib.util.find_spec("prodrl_pipeline.engine._head")
+    return spec.origin if spec is not None else None
+
+
+_KERNEL = _load_kernel(_built())
 
 
 def recorded_head(logp: torch.Tensor, k: int, sampled: torch.Tensor) -> Head:
     """The head of K entries of each row of `logp` [N, V], the log-probs of `sampled` [N] (ids in
-    [0, V)) and whether any entry is -inf."""
+    [0, V): IndexError, or torch's error, otherwise) and whether any entry is -inf."""
     n, v = logp.shape
     if k < 1:
         raise ValueError(f"the head needs K >= 1 entries, got {k}")
@@ -71,6 +88,8 @@ def recorded_head(logp: torch.Tensor, k: int, sampled: torch.Tensor) -> Head:
             ids.data_ptr(),
             sampled_logp.data_ptr(),
         )
+        if removed == -2:
+            raise IndexError(f"a sampled id is outside the vocabulary of {v}")
         if removed >= 0:
             return Head(values, ids, sampled_logp, removed > 0)
     values, ids = logp.topk(min(k, v), dim=-1)

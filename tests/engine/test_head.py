@@ -71,6 +71,9 @@ def test_ties_go_to_the_lower_ids_and_equal_blocks_are_all_scanned(path):
     logp[1, 150:] = 2.0
     _check(logp, 20, path)
     _check(torch.full((1, 64), -math.inf).index_fill(1, torch.tensor([5, 40]), 0.0), 20, path)
+    signed = torch.full((1, 96), -1.0)  # -0.0 equals 0.0: the lower id wins, in another block
+    signed[0, 0], signed[0, 32], signed[0, 64] = -0.0, 0.0, 0.0
+    _check(signed, 2, path)
 
 
 def test_an_ascending_row_and_a_descending_row(path):
@@ -101,6 +104,22 @@ def test_sampled_ids_taken_from_a_wider_draw_and_other_layouts_fall_back():
         got = recorded_head(other, 20, draws[:, 0])
         assert torch.equal(got.values.float(), want.values)
         assert torch.equal(got.sampled_logp.float(), want.sampled_logp)
+
+
+def test_a_sampled_id_outside_the_vocabulary_is_an_error(path):
+    logp = torch.zeros(3, 50).log_softmax(-1)
+    for bad in (50, -1):
+        with pytest.raises((IndexError, RuntimeError)):
+            recorded_head(logp, 5, torch.tensor([0, bad, 1]))
+
+
+def test_a_kernel_file_that_does_not_load_or_is_of_another_convention_is_passed_over(tmp_path):
+    """The engine then records through torch, with a warning, instead of failing to import."""
+    broken = tmp_path / "_head.cpython-311-x86_64-linux-gnu.so"
+    broken.write_text("not a shared library")
+    assert head_module._load_kernel(str(broken)) is None
+    assert head_module._load_kernel(None) is None
+    assert head_module._load_kernel(head_module._built()) is not None
 
 
 def test_the_install_built_the_kernel():
