@@ -18,6 +18,7 @@ served from it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -41,6 +42,7 @@ RESERVED = frozenset(
         "readVersion",
         "isBlindAppend",
         "operationMetrics",
+        "inCommitTimestamp",
     }
 )
 """commitInfo fields the writer sets: commit metadata may not name them (deltalake refuses them too;
@@ -138,13 +140,14 @@ def commit(
     try:
         with open(temporary, "w", encoding="utf-8") as f:
             f.write("".join(json.dumps(action) + "\n" for action in actions))
-        os.link(temporary, target)
-    except FileExistsError:
-        return False
-    finally:
-        if os.path.exists(temporary):
+        try:
+            os.link(temporary, target)
+        except FileExistsError:  # another writer's; or our own link that landed (a retried call)
+            return os.path.samefile(temporary, target)
+        return True
+    finally:  # the commit stands whatever happens here; a leftover temporary file is never read
+        with contextlib.suppress(OSError):
             os.remove(temporary)
-    return True
 
 
 def _values(add: AddAction, value: str | None) -> dict[str, str | None]:

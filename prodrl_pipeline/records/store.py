@@ -308,8 +308,9 @@ class DeltaStore:
                         post_commithook_properties=NO_HOOKS,
                     )
                     version = target.version()
-                if target is not None and version is not None:
-                    self._checkpoint(table, target, version)
+                if target is not None and version is not None and not version % CHECKPOINT_INTERVAL:
+                    # deltalake checkpoints its snapshot's version: one behind own commits catches up
+                    self._checkpoint(table, target, version, catch_up=self._live.pop(table, None) is not None)
         except (CommitFailedError, StorageError):  # a lost race; or the snapshot's read named the table
             raise
         except (DeltaError, OSError) as e:
@@ -400,15 +401,15 @@ class DeltaStore:
             log.warning("table %r: %s committed, its version unknown: %s", table, add.path, _one_line(e))
             return None
 
-    def _checkpoint(self, table: str, dt: DeltaTable, version: int) -> None:
-        """After a commit at `version` (`dt` at it or later): a log checkpoint every
-        CHECKPOINT_INTERVAL versions, best effort. The commit has landed whatever happens here: a
-        checkpoint that cannot be written (no space, storage refused) is logged, never reported as a
-        failed write."""
+    def _checkpoint(self, table: str, dt: DeltaTable, version: int, catch_up: bool = False) -> None:
+        """After a commit at `version` (`dt` at it or later, or behind it by own commits if
+        `catch_up`): a log checkpoint every CHECKPOINT_INTERVAL versions, best effort. The commit has
+        landed whatever happens here: a checkpoint that cannot be written (no space, storage
+        refused) is logged, never reported as a failed write."""
         if version % CHECKPOINT_INTERVAL:
             return
         try:
-            if self._live.pop(table, None):  # deltalake checkpoints its snapshot's version
+            if catch_up:
                 dt.update_incremental()
             dt.create_checkpoint()
         except (DeltaError, OSError) as e:

@@ -58,7 +58,9 @@ def test_reads_between_deltalake_catch_ups_see_every_own_commit_and_a_checkpoint
     log = tmp_path / "landing_calls" / "_delta_log"
     assert {f"{v:020d}.checkpoint.parquet" for v in (10, 20)} <= set(os.listdir(log))
     assert DeltaTable(store.uri("landing_calls")).version() == 2 * CHECKPOINT_INTERVAL + 3
-    assert store.transaction_version("landing_calls", "none") == -1  # caught up: deltalake's answer
+    # the checkpoint at 20 caught deltalake's snapshot up; the three own commits after it are live
+    assert store._snapshots["landing_calls"][0].version() == 2 * CHECKPOINT_INTERVAL
+    assert store._live["landing_calls"].version == 2 * CHECKPOINT_INTERVAL + 3
 
 
 def test_a_version_another_writer_took_is_committed_by_deltalake_from_the_version_read(tmp_path):
@@ -110,9 +112,43 @@ def test_an_append_only_table_refuses_a_round_overwrite_as_deltalake_does(tmp_pa
 
 def test_commit_metadata_may_not_set_the_fields_a_reader_parses(tmp_path):
     """A `timestamp` string in commitInfo would make the table's history unreadable."""
-    with pytest.raises(ValueError, match="timestamp"):
-        DeltaStore(tmp_path, commit_metadata={"timestamp": "2026-01-01"})
+    for field in ("timestamp", "inCommitTimestamp"):
+        with pytest.raises(ValueError, match=field):
+            DeltaStore(tmp_path, commit_metadata={field: "2026-01-01"})
     store = DeltaStore(tmp_path, commit_metadata={"run": "r"})
     store.overwrite_round("calls", [_call(0, 1, [1], [-1.0])], 1)
     store.overwrite_round("calls", [_call(1, 1, [1], [-1.0])], 1)  # the store's own commit
     assert [h["run"] for h in DeltaTable(store.uri("calls")).history()] == ["r", "r"]
+
+
+def test_the_round_guard_refuses_an_overwrite_racing_an_append_to_its_round(tmp_path):
+    """Theirs is ahead of its snapshot by an own commit when ours appends to round 1: theirs'
+    overwrite of round 1 falls back to deltalake from the version it read, and only the round's app
+    transaction makes it conflict (nothing it read was removed)."""
+    ours, theirs = DeltaStore(tmp_path), DeltaStore(tmp_path)
+    ours.overwrite_round("calls", [_call(0, 1, [1], [-1.0])], 1)
+    theirs.append("calls", [_call(1, 2, [1], [-1.0])])  # theirs: an own commit, live ahead
+    with theirs._latest("calls", own=True) as stale:
+        ours.append("calls", [_call(2, 1, [1], [-1.0])])  # takes the next version
+        data = theirs._conform("calls", [_call(3, 1, [1], [-1.0])])
+        commit = theirs._commit({"predicate": "round = 1"}, None, [1], theirs._live["calls"].version)
+        with pytest.raises(CommitFailedError):
+            theirs._commit_file(stale, "calls", data, 1, "round = 1", commit)
+    assert _ids(_deltalake_rows(ours, "calls")) == [(1, "c0"), (2, "c1"), (1, "c2")]
+
+
+def test_a_commit_whose_temporary_file_cannot_be_removed_is_still_a_written_version(tmp_path, monkeypatch):
+    """The link landed: the write is reported as done (its version in the lineage), not as failed."""
+    store = DeltaStore(tmp_path, lineage=True)
+    store.overwrite_round("calls", [_call(0, 1, [1], [-1.0])], 1)
+    real_remove = os.remove
+
+    def refuse_temporary(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        if str(path).endswith(".json.tmp"):
+            raise PermissionError(path)
+        return real_remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", refuse_temporary)
+    store.append("calls", [_call(1, 2, [1], [-1.0])])
+    assert store.versions_written["calls"] == {0, 1}
+    assert _ids(_deltalake_rows(store, "calls")) == [(1, "c0"), (2, "c1")]
