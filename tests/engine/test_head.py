@@ -14,6 +14,8 @@ from prodrl_pipeline.engine.head import recorded_head
 def path(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(head_module, "_KERNEL", None)
+    else:  # every K the kernel can take, however small the vocabulary
+        monkeypatch.setattr(head_module, "VOCAB_PER_K", 1)
     return request.param
 
 
@@ -104,6 +106,15 @@ def test_sampled_ids_taken_from_a_wider_draw_and_other_layouts_fall_back():
         got = recorded_head(other, 20, draws[:, 0])
         assert torch.equal(got.values.float(), want.values)
         assert torch.equal(got.sampled_logp.float(), want.sampled_logp)
+
+
+def test_a_large_head_and_ids_on_another_device_go_to_torch():
+    """K > V / 64 (the kernel's insertions would grow as V·K) and sampled ids the kernel cannot read
+    (another device) are served by torch's operations."""
+    torch.manual_seed(3)
+    logp = torch.randn(2, 5025).log_softmax(-1)
+    _check(logp, 200, "torch")
+    assert not head_module._compiled_layout(logp, torch.zeros(2, dtype=torch.long, device="meta"))
 
 
 def test_a_sampled_id_outside_the_vocabulary_is_an_error(path):
