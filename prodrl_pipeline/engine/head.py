@@ -8,8 +8,8 @@ the compiled kernel keeps the lower ids first, `torch.topk` in an order of its o
 
 On CPU the compiled kernel (`_head.c`, built at install: pyproject.toml) computes all of it in one
 pass over each row; `torch.topk` over V = 5,025 took more than half of recording's time in the
-engine (docs/performance.md). Elsewhere (a GPU, another dtype, no kernel built) torch's operations
-do it.
+engine (docs/performance.md). Elsewhere (a GPU, another dtype, a head of K > V / 64, no kernel
+built) torch's operations do it.
 """
 
 from __future__ import annotations
