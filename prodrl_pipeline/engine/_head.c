@@ -5,21 +5,28 @@
  *   1. Each block of BLOCK entries' maximum, and the row's minimum. Floats are compared as integer
  *      keys of the same order (the sign bit flips the rest), so the compiler vectorizes the loop
  *      without relaxing IEEE semantics.
- *   2. t = the k-th largest block maximum. The k blocks holding the k largest maxima hold k entries
- *      >= t, so the row's k-th largest entry is >= t: only blocks whose maximum is >= t can hold a
- *      head entry, and of those only entries >= t are inserted into the sorted head.
+ *   2. A bound t on the k-th largest block maximum from a histogram of the maxima (kth_bound): at
+ *      least k blocks have a maximum >= t, so the row's k-th largest entry is >= t, and every entry
+ *      of the head (ties at the k-th value included) lies in a block whose maximum is >= t.
+ *   3. The entries >= t of those blocks are the candidates (about k + 1 on a decode step's row);
+ *      each one's place in the head is counted: the candidates above it, and those equal to it
+ *      with lower ids. More than RANKED candidates (a flat row) are inserted one by one instead.
  * A head slot no finite entry fills keeps -inf and id -1 (the caller cuts the head at the kept
  * support). A NaN never enters the head (a row holding one is not recorded).
  *
  * Built at install as an optional extension (pyproject.toml) and called through ctypes; on x86-64
  * GCC compiles an AVX2 clone beside the baseline one and picks one when the library loads.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 32
+#define BUCKET_BITS 6
+#define BUCKETS (1 << BUCKET_BITS)
+#define RANKED 64 /* up to this many candidates are placed by counting, more are inserted */
 
 /* An integer of the same order as the float f (NaNs aside); its own inverse. */
 static inline int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
@@ -50,37 +57,31 @@ static inline void insert(float *hv, int64_t *hi, int64_t k, float y, int64_t id
     hi[p] = id;
 }
 
-/* The k-th largest of keys [n] (INT32_MIN if n < k); top [k] and kept [n] are scratch. The keys
- * are split into k groups: the least of the groups' maxima, k of the keys, bounds the k-th largest
- * from below, and only keys at or above it (about a third of them) are sorted into a top k. */
-static int32_t kth_largest(const int32_t *keys, int64_t n, int64_t k, int32_t *top, int32_t *kept) {
-    if (n < k)
-        return INT32_MIN;
-    int32_t bound = INT32_MAX;
-    for (int64_t g = 0; g < k; g++) {
-        int32_t m = INT32_MIN;
-        for (int64_t i = g * n / k; i < (g + 1) * n / k; i++)
-            m = keys[i] > m ? keys[i] : m;
-        bound = m < bound ? m : bound;
-    }
-    int64_t n_kept = 0;
+/* A bound t on the k-th largest of keys [n] (n >= k): at least k keys are >= t, and few more when
+ * the keys spread. The keys' range is cut into BUCKETS buckets of a power-of-two width; t is the
+ * least key in the highest buckets that together hold k keys. */
+static inline int32_t kth_bound(const int32_t *keys, int64_t n, int64_t k) {
+    int32_t lo = INT32_MAX, hi = INT32_MIN;
     for (int64_t i = 0; i < n; i++) {
-        kept[n_kept] = keys[i];
-        n_kept += keys[i] >= bound;
+        lo = keys[i] < lo ? keys[i] : lo;
+        hi = keys[i] > hi ? keys[i] : hi;
     }
-    for (int64_t p = 0; p < k; p++)
-        top[p] = INT32_MIN;
-    for (int64_t i = 0; i < n_kept; i++) {
-        if (kept[i] <= top[k - 1])
-            continue;
-        int64_t p = k - 1;
-        while (p > 0 && top[p - 1] < kept[i]) {
-            top[p] = top[p - 1];
-            p--;
-        }
-        top[p] = kept[i];
+    uint32_t range = (uint32_t)hi - (uint32_t)lo;
+    /* the buckets' width, 2^shift: range >> shift < BUCKETS */
+    int shift = range < BUCKETS ? 0 : 32 - __builtin_clz(range) - BUCKET_BITS;
+    int32_t count[BUCKETS] = {0};
+    for (int64_t i = 0; i < n; i++)
+        count[((uint32_t)keys[i] - (uint32_t)lo) >> shift]++;
+    int64_t b = BUCKETS - 1, seen = count[b];
+    while (seen < k)
+        seen += count[--b];
+    uint32_t edge = (uint32_t)b << shift; /* the lowest bucket kept starts at lo + edge */
+    int32_t t = INT32_MAX;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t y = (uint32_t)keys[i] - (uint32_t)lo >= edge ? keys[i] : INT32_MAX;
+        t = y < t ? y : t;
     }
-    return top[k - 1];
+    return t;
 }
 
 /* The calling convention below; engine/head.py loads no build of another. */
@@ -97,10 +98,12 @@ prodrl_recorded_head(const float *logp, int64_t n, int64_t v, int64_t k, const i
     if (k < 1 || v < 1)
         return -1;
     int64_t blocks = (v + BLOCK - 1) / BLOCK, removed = 0;
-    int32_t *block_max = malloc((2 * blocks + k + v) * sizeof(int32_t));
+    /* block maxima, chosen blocks, candidates' ids, and their values (padded to a multiple of 8) */
+    int32_t *block_max = malloc((2 * blocks + v) * sizeof(int32_t) + (v + 8) * sizeof(float));
     if (block_max == NULL)
         return -1;
-    int32_t *chosen = block_max + blocks, *scratch = chosen + blocks, *candidates = scratch + k;
+    int32_t *chosen = block_max + blocks, *candidates = chosen + blocks;
+    float *cv = (float *)(candidates + v);
     int32_t minus_inf = key_of(-INFINITY);
     for (int64_t r = 0; r < n; r++) {
         const float *x = logp + r * v;
@@ -119,28 +122,58 @@ prodrl_recorded_head(const float *logp, int64_t n, int64_t v, int64_t k, const i
             lowest = low < lowest ? low : lowest;
         }
         removed += lowest <= minus_inf;
-        int32_t t = kth_largest(block_max, blocks, k, scratch, chosen);
+        int32_t t = blocks < k ? INT32_MIN : kth_bound(block_max, blocks, k);
         float floor = t == INT32_MIN ? -INFINITY : float_of(t); /* fewer blocks than k: no bound */
+        float least = floor > -FLT_MAX ? floor : -FLT_MAX; /* a -inf entry is never a candidate */
         for (int64_t p = 0; p < k; p++) {
             hv[p] = -INFINITY;
             hi[p] = -1;
         }
-        /* the blocks, then the entries, that can hold a head entry: gathered without branches */
-        int64_t n_chosen = 0, n_candidates = 0;
+        /* the blocks that can hold a head entry (gathered without branches), then their entries
+         * >= floor, in id order: a mask of the block's comparisons, read bit by bit */
+        int64_t n_chosen = 0, m = 0;
         for (int64_t b = 0; b < blocks; b++) {
             chosen[n_chosen] = (int32_t)b;
             n_chosen += block_max[b] >= t;
         }
         for (int64_t c = 0; c < n_chosen; c++) {
-            int64_t b = chosen[c], end = (b + 1) * BLOCK < v ? (b + 1) * BLOCK : v;
-            for (int64_t j = b * BLOCK; j < end; j++) {
-                candidates[n_candidates] = (int32_t)j;
-                n_candidates += x[j] >= floor;
+            int64_t start = (int64_t)chosen[c] * BLOCK;
+            if (start + BLOCK <= v) {
+                uint32_t mask = 0;
+                for (int j = 0; j < BLOCK; j++)
+                    mask |= (uint32_t)(x[start + j] >= least) << j;
+                for (; mask; mask &= mask - 1) {
+                    int64_t j = start + __builtin_ctz(mask);
+                    candidates[m] = (int32_t)j;
+                    cv[m++] = x[j];
+                }
+            } else { /* the row's last, short block */
+                for (int64_t j = start; j < v; j++) {
+                    candidates[m] = (int32_t)j;
+                    cv[m] = x[j];
+                    m += x[j] >= least;
+                }
             }
         }
-        for (int64_t c = 0; c < n_candidates; c++) /* in id order: ties keep the lower ids */
-            if (x[candidates[c]] > hv[k - 1])
-                insert(hv, hi, k, x[candidates[c]], candidates[c]);
+        if (m <= RANKED) { /* a candidate's place: those above it, and those equal with lower ids */
+            int64_t padded = (m + 7) & ~(int64_t)7;
+            for (int64_t j = m; j < padded; j++)
+                cv[j] = -INFINITY; /* below every candidate */
+            for (int64_t i = 0; i < m; i++) {
+                float y = cv[i];
+                int32_t place = 0;
+                for (int32_t j = 0; j < padded; j++)
+                    place += (cv[j] > y) | ((cv[j] == y) & (j < i));
+                if (place < k) {
+                    hv[place] = y;
+                    hi[place] = candidates[i];
+                }
+            }
+        } else { /* many ties at the bound (a flat row) */
+            for (int64_t c = 0; c < m; c++)
+                if (cv[c] > hv[k - 1])
+                    insert(hv, hi, k, cv[c], candidates[c]);
+        }
         if (sampled[r] < 0 || sampled[r] >= v) {
             removed = -2;
             break;

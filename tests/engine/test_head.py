@@ -78,6 +78,28 @@ def test_ties_go_to_the_lower_ids_and_equal_blocks_are_all_scanned(path):
     _check(signed, 2, path)
 
 
+@pytest.mark.parametrize("tied", [1, 20, 63, 64, 65, 200])
+def test_ties_at_the_head_s_last_value_placed_by_counting_and_past_it_by_insertion(tied, path):
+    """`tied` entries share the K-th value, spread over the row's blocks: up to 64 candidates the
+    kernel counts each one's place, past that it inserts them one by one; both keep lower ids."""
+    torch.manual_seed(tied)
+    logp = torch.full((2, 1000), -5.0)
+    logp[:, torch.randperm(1000)[:tied]] = -1.0
+    logp[0, torch.randperm(1000)[:10]] = 0.0  # ten above them: the K-th value is tied
+    _check(logp, 20, path)
+
+
+def test_values_adjacent_as_floats_and_spread_over_the_float_range(path):
+    """The bound's histogram over a few adjacent floats (fewer keys than buckets) and over values
+    from 1e-30 to 1e30 with both infinities (the keys' whole range)."""
+    torch.manual_seed(2)
+    base = torch.full((1, 500), -8.5)
+    adjacent = torch.where(torch.rand(1, 500) < 0.5, base, torch.nextafter(base, torch.zeros(1)))
+    spread = torch.randn(2, 500) * torch.tensor(10.0) ** torch.randint(-30, 30, (2, 500)).float()
+    spread[0, 3], spread[1, 7], spread[1, 9] = math.inf, -math.inf, math.inf
+    _check(torch.cat([adjacent, spread]), 20, path)
+
+
 def test_an_ascending_row_and_a_descending_row(path):
     """The orders where a one-pass head would insert at every entry."""
     ramp = torch.arange(1000, dtype=torch.float32)
