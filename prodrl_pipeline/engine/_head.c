@@ -57,25 +57,39 @@ static inline void insert(float *hv, int64_t *hi, int64_t k, float y, int64_t id
     hi[p] = id;
 }
 
-/* A bound t on the k-th largest of keys [n] (n >= k): at least k keys are >= t, and few more when
- * the keys spread. The keys' range is cut into BUCKETS buckets of a power-of-two width; t is the
- * least key in the highest buckets that together hold k keys. */
+/* A bound t on the k-th largest of keys [n] (n >= k): at least k keys are >= t, and few more. A
+ * radix select: the keys' range is cut into BUCKETS buckets of a power-of-two width, and the bucket
+ * holding the k-th largest key is cut again while more than 2k keys lie at or above its start (a
+ * -inf block maximum, from a mask, stretches the first range over every finite one). t is the
+ * least key at or above the last bucket's start. */
 static inline int32_t kth_bound(const int32_t *keys, int64_t n, int64_t k) {
     int32_t lo = INT32_MAX, hi = INT32_MIN;
     for (int64_t i = 0; i < n; i++) {
         lo = keys[i] < lo ? keys[i] : lo;
         hi = keys[i] > hi ? keys[i] : hi;
     }
-    uint32_t range = (uint32_t)hi - (uint32_t)lo;
-    /* the buckets' width, 2^shift: range >> shift < BUCKETS */
-    int shift = range < BUCKETS ? 0 : 32 - __builtin_clz(range) - BUCKET_BITS;
-    int32_t count[BUCKETS] = {0};
-    for (int64_t i = 0; i < n; i++)
-        count[((uint32_t)keys[i] - (uint32_t)lo) >> shift]++;
-    int64_t b = BUCKETS - 1, seen = count[b];
-    while (seen < k)
-        seen += count[--b];
-    uint32_t edge = (uint32_t)b << shift; /* the lowest bucket kept starts at lo + edge */
+    /* keys as offsets from lo; the range looked at is [start, start + span], `above` keys above it */
+    uint32_t start = 0, span = (uint32_t)hi - (uint32_t)lo, edge;
+    int64_t above = 0;
+    for (;;) {
+        /* the buckets' width, 2^shift: span >> shift < BUCKETS */
+        int shift = span < BUCKETS ? 0 : 32 - __builtin_clz(span) - BUCKET_BITS;
+        int32_t count[BUCKETS] = {0};
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t d = (uint32_t)keys[i] - (uint32_t)lo - start; /* wraps above span if below start */
+            int inside = d <= span;
+            count[inside ? d >> shift : 0] += inside;
+        }
+        int64_t b = BUCKETS - 1, seen = above + count[b];
+        while (seen < k)
+            seen += count[--b];
+        edge = start + ((uint32_t)b << shift);
+        if (shift == 0 || seen <= 2 * k)
+            break;
+        above = seen - count[b];
+        start = edge;
+        span = ((uint32_t)1 << shift) - 1;
+    }
     int32_t t = INT32_MAX;
     for (int64_t i = 0; i < n; i++) {
         int32_t y = (uint32_t)keys[i] - (uint32_t)lo >= edge ? keys[i] : INT32_MAX;
