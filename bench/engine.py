@@ -19,7 +19,8 @@ else free, the first ratio could grow by 1 ÷ that share at most), and the share
 head alone would take (what recording the head cannot avoid), as the engine computes it
 (`engine/head.py`: the compiled kernel) and as `torch.topk` does: timed on their own, every row at
 every step, on random log-probs that change at every step as a decode step's do (the same matrix
-over and over would train the branch predictor); inside a run each reads higher. `--hidden` sets
+over and over would train the branch predictor), with full supports and with supports cut to a
+top-p 0.9 nucleus (-inf elsewhere: a mask's rows); inside a run each reads higher. `--hidden` sets
 the model's width (the lab's: 128).
 Run: `make bench` (or `.venv/bin/python -m bench.engine`).
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -36,8 +38,8 @@ import torch
 
 from bench.ratios import Ratio, alternate, report, seconds_in
 from prodrl_pipeline.engine.head import recorded_head
-from prodrl_pipeline.engine.processing import SamplingParams
-from prodrl_pipeline.engine.rows import Request, Rows
+from prodrl_pipeline.engine.processing import SamplingParams, processed_logprobs
+from prodrl_pipeline.engine.rows import NO_IDS, Request, Rows
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import load_tokenizer, render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
@@ -52,11 +54,12 @@ def _engine_tokens(engine: TorchEngine, prompts: list[list[int]], new_tokens: in
 
 
 def _ids_only(batch: Rows, logp, sampled, extra) -> list[int]:  # noqa: ANN001
-    """`Rows.record_sampled` with the recording stubbed out: each live row keeps its id alone."""
+    """`Rows.record_sampled` with the recording stubbed out: each live row keeps its id alone (the
+    other fields one shared empty array: nothing allocated)."""
     toks = sampled.tolist()
     for i, tok in enumerate(toks):
         if not batch.done[i]:
-            batch.append(i, tok, 0.0, [], [], 0, [], [])
+            batch.append(i, tok, 0.0, NO_IDS, NO_IDS, 0, NO_IDS, NO_IDS)
     return toks
 
 
@@ -107,15 +110,20 @@ def _forward_seconds(model) -> Iterator[list[float]]:  # noqa: ANN001
 
 def _head_seconds(rows: int, vocab: int, steps: int, k: int = 20) -> dict[str, float]:
     """Seconds of a K head of [rows, vocab] log-probs once per decode step, on 8 matrices in turn:
-    as the engine computes it (`recorded_head`) and by `torch.topk`."""
-    logp = [torch.randn(rows, vocab).mul(3).log_softmax(-1) for _ in range(8)]
+    as the engine computes it (`recorded_head`) and by `torch.topk`; on full supports and on
+    supports cut to a top-p 0.9 nucleus (-inf elsewhere, as `processed_logprobs` leaves them)."""
+    logits = [torch.randn(rows, vocab).mul(3) for _ in range(8)]
+    full = [x.log_softmax(-1) for x in logits]
+    ones, nucleus = torch.ones(rows), torch.full((rows,), 0.9)
+    cut = [processed_logprobs(x, ones, torch.zeros(rows, dtype=torch.long), nucleus) for x in logits]
     sampled = torch.zeros(rows, dtype=torch.long)
     spent = {}
-    for name, head in (("head", lambda x: recorded_head(x, k, sampled)), ("topk", lambda x: x.topk(k))):
-        start = time.perf_counter()
-        for step in range(steps):
-            head(logp[step % len(logp)])
-        spent[name] = time.perf_counter() - start
+    for rows_of, logp in (("", full), (" top-p", cut)):
+        for name, head in (("head", lambda x: recorded_head(x, k, sampled)), ("topk", lambda x: x.topk(k))):
+            start = time.perf_counter()
+            for step in range(steps):
+                head(logp[step % len(logp)])
+            spent[name + rows_of] = time.perf_counter() - start
     return spent
 
 
@@ -161,7 +169,8 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         _engine_tokens(engine, prompts[:4], 4)  # warm-up
         _hf_tokens(model, prompts[:4], 4, tok.pad_token_id, tok.eos_token_id)
         per_run: dict[str, list[float]] = {"engine": [], "unrecorded": [], "generate": []}
-        head_share, seconds = {"head": [], "topk": []}, {"engine": [], "unrecorded": []}
+        head_share: dict[str, list[float]] = defaultdict(list)
+        seconds: dict[str, list[float]] = {"engine": [], "unrecorded": []}
         for repeat in range(args.repeats):  # tokens/s of each run (a contender's token count may vary)
             pair = ["engine", "unrecorded"][:: 1 if repeat % 2 == 0 else -1]  # back to back, alternating
             times = alternate({name: lambda n=name: run(n) for name in [*pair, "generate"]}, 1)
@@ -201,7 +210,9 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
                 f"hidden size {args.hidden}; recording takes {share['recording']:.1%} of the engine's time "
                 f"(the stub {share['stub']:.1%}); the K=20 head alone: "
                 f"{statistics.median(head_share['head']):.1%} (torch.topk "
-                f"{statistics.median(head_share['topk']):.1%}); whole runs side by side: "
+                f"{statistics.median(head_share['topk']):.1%}), on supports cut to top-p 0.9 "
+                f"{statistics.median(head_share['head top-p']):.1%} ("
+                f"{statistics.median(head_share['topk top-p']):.1%}); whole runs side by side: "
                 f"{statistics.median(whole_runs):.2f} ({min(whole_runs):.2f}-{max(whole_runs):.2f})"
             ),
         ),

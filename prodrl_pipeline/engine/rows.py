@@ -6,6 +6,12 @@ while its batch runs (`Rows`): the constraint's state, the recording, when the r
 distribution mu, the top-K head of mu, the kept support when sampling was restricted (`support_size`
 kept; the ids themselves when more than the head holds and fewer than the vocabulary) and the M
 extra samples. A forced token is recorded as what it is: log-prob 0 under a one-token support.
+
+A position's head, support and extra samples are 1-D numpy arrays (ids int64, log-probs as mu's
+dtype, float32 on the lab engine): a step's [N, K] head becomes N row views in one call, where
+Python lists would cost an object an entry (2,560 a step for the lab's batch) and the collector's
+passes over them; Arrow takes the arrays as they are (records/schema.py), a JSON answer turns the
+few it shows into lists.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from prodrl_pipeline.engine.constraints import Constraint
@@ -31,15 +38,29 @@ class Request:
     strings, a client that left); True ends the completion (finish_reason "stop")."""
 
 
+NO_IDS = np.empty(0, dtype=np.int64)
+NO_IDS.flags.writeable = False
+"""The ids of a position that records none (no support listed, no extra samples): one shared array."""
+
+
+def ids_array(ids: list[int]) -> np.ndarray:
+    """A position's ids as the engine records them (int64)."""
+    return np.array(ids, dtype=np.int64) if ids else NO_IDS
+
+
 @dataclass
 class Completion:
+    """What the engine recorded for a request: per position, the sampled id and its log-prob (lists:
+    streaming and constraints read them as they grow) and the head, kept support and extra samples
+    (1-D numpy arrays, the module docstring)."""
+
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    topk_ids: list[list[int]] = field(default_factory=list)
-    topk_logprobs: list[list[float]] = field(default_factory=list)
+    topk_ids: list[np.ndarray] = field(default_factory=list)
+    topk_logprobs: list[np.ndarray] = field(default_factory=list)
     support_size: list[int] = field(default_factory=list)
-    support_ids: list[list[int]] = field(default_factory=list)
-    extra_ids: list[list[int]] = field(default_factory=list)
+    support_ids: list[np.ndarray] = field(default_factory=list)
+    extra_ids: list[np.ndarray] = field(default_factory=list)
     finish_reason: str = "length"
 
 
@@ -104,8 +125,8 @@ class Rows:
 
     def record_sampled(self, logp: torch.Tensor, sampled: torch.Tensor, extra: torch.Tensor) -> list[int]:
         """Append each live row's sampled token with its record; the sampled ids as a list. The
-        batch's tensors become lists in a few calls (not a few per row): a busy gateway's engine
-        thread re-takes the GIL after every torch call."""
+        batch's tensors become lists and row views in a few calls (not a few per row): a busy
+        gateway's engine thread re-takes the GIL after every torch call."""
         k = min(self.top_logprobs, self.vocab_size)
         head = recorded_head(logp, k, sampled)
         if head.restricted:  # the kept support (a broken row's NaNs are never recorded)
@@ -115,14 +136,15 @@ class Rows:
             kept_mask, kept = None, [self.vocab_size] * len(self.done)
         toks = sampled.tolist()
         lps = head.sampled_logp.tolist()
-        heads, head_lps, extras = head.ids.tolist(), head.values.tolist(), extra.tolist()
+        heads, head_lps = list(head.ids.cpu().numpy()), list(head.values.cpu().numpy())
+        extras = list(extra.cpu().numpy()) if self.extra_samples else [NO_IDS] * len(toks)
         for i, (tok, size) in enumerate(zip(toks, kept, strict=True)):
             if self.done[i]:
                 continue
             n_head = min(k, size)
             stored = n_head < size < self.vocab_size
-            support = kept_mask[i].nonzero().squeeze(1).tolist() if stored else []
-            if n_head < k:  # the head's -inf entries cut (a full head is the row's own fresh list)
+            support = kept_mask[i].nonzero().squeeze(1).cpu().numpy() if stored else NO_IDS
+            if n_head < k:  # the head's -inf entries cut
                 heads[i], head_lps[i] = heads[i][:n_head], head_lps[i][:n_head]
             self.append(i, tok, lps[i], heads[i], head_lps[i], size, support, extras[i])
         return toks
@@ -147,7 +169,7 @@ class Rows:
             for tok in chains.get(i, [])[:m]:
                 if self.done[i]:  # ended (its on_token callback) inside the chain
                     break
-                self.append(i, tok, 0.0, [tok], [0.0], 1, [], [tok] * self.extra_samples)
+                self.append(i, tok, 0.0, *_forced_record(tok, self.extra_samples))
                 chain.append(tok)
             out.append(chain + [self.pad_id] * (m - len(chain)))
         return out
@@ -157,11 +179,11 @@ class Rows:
         i: int,
         tok: int,
         logprob: float,
-        head_ids: list[int],
-        head_lp: list[float],
+        head_ids: np.ndarray,
+        head_lp: np.ndarray,
         support_size: int,
-        support_ids: list[int],
-        extra_ids: list[int],
+        support_ids: np.ndarray,
+        extra_ids: np.ndarray,
     ) -> None:
         c = self.out[i]
         c.token_ids.append(tok)
@@ -197,3 +219,10 @@ class Rows:
         except Exception as e:  # noqa: BLE001 - reported to that request alone
             self.errors[i] = e
             return True
+
+
+def _forced_record(
+    tok: int, extra_samples: int
+) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
+    """A forced token's head, head log-prob, support size, support and extra samples: itself alone."""
+    return ids_array([tok]), np.zeros(1, dtype=np.float32), 1, NO_IDS, ids_array([tok] * extra_samples)

@@ -35,9 +35,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 
 from prodrl_pipeline.engine.constraints import Constraint
-from prodrl_pipeline.engine.rows import Completion, Request
+from prodrl_pipeline.engine.rows import Completion, Request, ids_array
 
 FILTERED = -9999.0  # vLLM's serialization of -inf
 
@@ -196,9 +197,10 @@ class VLLMEngine:
             size = self.vocab_size if support is None else len(support)
             out.token_ids.append(tok)
             out.logprobs.append(logprob)
-            out.topk_ids.append([i for _, i in head])
-            out.topk_logprobs.append([lp for lp, _ in head])
+            out.topk_ids.append(ids_array([i for _, i in head]))
+            out.topk_logprobs.append(np.array([lp for lp, _ in head], dtype=np.float32))
             out.support_size.append(size)
-            out.support_ids.append(list(support) if support and len(head) < size < self.vocab_size else [])
-            out.extra_ids.append([])
+            listed = support and len(head) < size < self.vocab_size
+            out.support_ids.append(ids_array(list(support) if listed else []))
+            out.extra_ids.append(ids_array([]))
         return out

@@ -240,7 +240,7 @@ def create_app(serving: Serving) -> FastAPI:
                 "tokens": [tok(t) for t in c.token_ids],
                 "token_logprobs": c.logprobs,
                 "top_logprobs": [
-                    {tok(i): x for i, x in zip(ids[: req.logprobs], lps[: req.logprobs], strict=True)}
+                    dict(zip(tok(ids[: req.logprobs].tolist()), lps[: req.logprobs].tolist(), strict=True))
                     for ids, lps in zip(c.topk_ids, c.topk_logprobs, strict=True)
                 ],
             }

@@ -27,18 +27,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from prodrl_pipeline.records.schema import TABLES
+from prodrl_pipeline.records.schema import TABLES, json_value
 from prodrl_pipeline.records.store import DeltaStore
 
 log = logging.getLogger(__name__)
 TABLE_OF = {"call": "landing_calls", "feedback": "landing_feedback", "reject": "rejects"}
 HELD_SEGMENTS = 4  # segments whose rows stay in memory for their commit (a backlog is read back)
-
-
-def _json_default(value: object) -> str:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    raise TypeError(f"cannot serialize {type(value).__name__}")
 
 
 def _timestamps(table: str) -> list[str]:
@@ -137,7 +131,7 @@ class LandingLog:
         if kind not in TABLE_OF:
             raise ValueError(f"unknown record kind {kind!r}")
         row = pa.Table.from_pylist([record], schema=TABLES[TABLE_OF[kind]])  # refuses what Delta would
-        line = json.dumps({"kind": kind, "record": record}, default=_json_default, separators=(",", ":"))
+        line = json.dumps({"kind": kind, "record": record}, default=json_value, separators=(",", ":"))
         with self._cond:
             if not self._running:
                 raise RuntimeError("landing log is stopped")

@@ -51,7 +51,10 @@ def logprobs_content(tokenizer: PreTrainedTokenizerBase, c: Completion, n: int) 
         {
             "token": tok(t),
             "logprob": lp,
-            "top_logprobs": [{"token": tok(i), "logprob": x} for i, x in zip(ids[:n], lps[:n], strict=True)],
+            "top_logprobs": [
+                {"token": tok(i), "logprob": x}
+                for i, x in zip(ids[:n].tolist(), lps[:n].tolist(), strict=True)
+            ],
         }
         for t, lp, ids, lps in zip(c.token_ids, c.logprobs, c.topk_ids, c.topk_logprobs, strict=True)
     ]

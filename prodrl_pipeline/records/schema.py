@@ -3,6 +3,9 @@ round-trip bit-exactly through Delta. Per-round tables are partitioned by `round
 
 from __future__ import annotations
 
+from datetime import datetime
+
+import numpy as np
 import pyarrow as pa
 
 TS = pa.timestamp("us", tz="UTC")
@@ -186,3 +189,14 @@ TABLES: dict[str, pa.Schema] = {
     "landing_calls": LANDING_CALLS,
     "landing_feedback": LANDING_FEEDBACK,
 }
+
+
+def json_value(value: object) -> object:
+    """A record's value that JSON has no type for, as JSON writes it (`json.dumps(default=...)`):
+    an array (the engine's per-position ids and log-probs, engine/rows.py) as a list, a timestamp in
+    ISO 8601; TypeError for anything else."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"cannot serialize {type(value).__name__}")

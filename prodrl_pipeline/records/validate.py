@@ -9,6 +9,10 @@ import math
 from collections import defaultdict
 from datetime import UTC, datetime
 
+import numpy as np
+
+from prodrl_pipeline.records.schema import json_value
+
 HEAD_MASS_TOLERANCE = 1e-4  # log-space slack for float32 rounding of recorded head probabilities
 
 
@@ -18,10 +22,14 @@ def _logsumexp(xs: list[float]) -> float:
 
 
 def _ints(xs: object) -> bool:
+    if isinstance(xs, np.ndarray):  # a position's ids as the engine records them
+        return xs.ndim == 1 and xs.dtype.kind in "iu"
     return isinstance(xs, list | tuple) and all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
 
 
 def _numbers(xs: object) -> bool:
+    if isinstance(xs, np.ndarray):  # a position's log-probs as the engine records them
+        return xs.ndim == 1 and xs.dtype.kind in "iuf"
     return isinstance(xs, list | tuple) and all(
         x is None or (isinstance(x, int | float) and not isinstance(x, bool)) for x in xs
     )
@@ -97,7 +105,7 @@ def call_problem(call: dict) -> str | None:
         size, support = call["support_size"][t], call["support_token_ids"][t]
         if lp is None or not math.isfinite(lp) or lp > 0:
             return f"position {t}: log-prob {lp} is not finite and <= 0"
-        if not head or len(head) != len(head_lp):
+        if len(head) == 0 or len(head) != len(head_lp):
             return f"position {t}: empty head or head ids/log-probs of different lengths"
         if not len(head) <= size <= vocab:
             return f"position {t}: support size {size} outside [{len(head)}, {vocab}]"
@@ -121,6 +129,14 @@ def call_problem(call: dict) -> str | None:
     return None
 
 
+def _json_or_text(value: object) -> object:
+    """A rejected record's value as JSON holds it, or its text (a hostile record's odd types)."""
+    try:
+        return json_value(value)
+    except TypeError:
+        return str(value)
+
+
 def split_valid(
     calls: list[dict], trajectories: list[dict], table: str = "calls"
 ) -> tuple[list[dict], list[dict], list[dict]]:
@@ -140,7 +156,7 @@ def split_valid(
                 "round": round_,
                 "record_id": record_id,
                 "reason": reason,
-                "record_json": json.dumps(record, default=str),
+                "record_json": json.dumps(record, default=_json_or_text),
                 "rejected_at": now,
             }
         )

@@ -44,7 +44,7 @@ def test_json_schema_completions_match_the_schema_and_record_the_masked_mu(
             assert out.support_size[t] == int(ref.isfinite().sum())
             if len(allowed) == 1:  # forced: a one-token support, log-prob 0
                 forced += 1
-                assert out.topk_ids[t] == [tok] and out.logprobs[t] == 0.0
+                assert out.topk_ids[t].tolist() == [tok] and out.logprobs[t] == 0.0
             else:
                 free += 1
             state.advance(tok)

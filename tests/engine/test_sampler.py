@@ -47,14 +47,16 @@ def test_recorded_logprobs_are_the_processed_distribution(
             assert out.support_size[t] == len(kept)
             assert out.logprobs[t] == pytest.approx(float(ref[tok]), abs=2e-5)
             head = ref.topk(min(20, len(kept)))
-            assert out.topk_logprobs[t] == pytest.approx(head.values.tolist(), abs=2e-5)
-            assert set(out.topk_ids[t]) == set(head.indices.tolist())  # the K largest
+            assert out.topk_logprobs[t].tolist() == pytest.approx(head.values.tolist(), abs=2e-5)
+            assert set(out.topk_ids[t].tolist()) == set(head.indices.tolist())  # the K largest
             if 20 < len(kept) < engine.vocab_size:
-                assert sorted(out.support_ids[t]) == kept.tolist()  # support recorded beside the head
+                assert (
+                    sorted(out.support_ids[t].tolist()) == kept.tolist()
+                )  # support recorded beside the head
             else:
-                assert out.support_ids[t] == []
+                assert out.support_ids[t].tolist() == []
             if len(kept) == 1:
-                assert out.logprobs[t] == 0.0 and out.topk_ids[t] == [tok]  # forced token
+                assert out.logprobs[t] == 0.0 and out.topk_ids[t].tolist() == [tok]  # forced token
             else:
                 checked_free += 1
             if state is not None:
@@ -101,7 +103,7 @@ def test_prompts_prefilled_in_length_groups_each_decode_as_alone(tiny_model, tok
         alone = engine.generate([request], seed=1)[0]
         assert out.token_ids == alone.token_ids
         assert out.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
-        assert out.topk_ids == alone.topk_ids
+        assert [h.tolist() for h in out.topk_ids] == [h.tolist() for h in alone.topk_ids]
 
 
 def test_on_token_is_called_after_every_token_and_can_end_the_completion(tiny_model, tokenizer, heldout):

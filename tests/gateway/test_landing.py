@@ -3,6 +3,7 @@
 import time
 from datetime import UTC, datetime
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -124,6 +125,34 @@ def test_a_backlog_beyond_the_held_segments_is_read_back_and_lands_exactly_as_ap
     log.stop()
     landed = sorted(store.read("landing_calls").to_pylist(), key=lambda r: r["call_id"])
     assert landed == pa.Table.from_pylist(calls, schema=TABLES["landing_calls"]).to_pylist()
+
+
+def test_a_call_recorded_as_arrays_lands_as_its_lists_do_held_or_read_back(tmp_path):
+    """The engine records a position's head and support as arrays (engine/rows.py): a call holding
+    them lands the same rows as its lists, from memory and from the spool's JSON."""
+    store = DeltaStore(tmp_path / "tables")
+    log = LandingLog(store, tmp_path / "spool", flush_records=1, flush_seconds=0.05, max_pending=100)
+    log.start()
+    blocker = tmp_path / "tables" / "landing_calls"
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("not a Delta table: commits fail until this file goes")
+    calls = [_call(i) for i in range(HELD_SEGMENTS + 2)]
+    for call in calls:
+        arrays = {
+            "topk_token_ids": [np.array([2, 5], dtype=np.int64)],
+            "topk_logprobs": [np.array([-0.1, -2.75], dtype=np.float32)],
+            "support_token_ids": [np.array([2, 5, 7], dtype=np.int64)],
+            "extra_token_ids": [np.array([], dtype=np.int64)],
+        }
+        log.append("call", {**call, **arrays, "support_size": [3]})
+    blocker.unlink()
+    log.stop()
+    landed = sorted(store.read("landing_calls").to_pylist(), key=lambda r: r["call_id"])
+    assert [r["call_id"] for r in landed] == [c["call_id"] for c in calls]
+    for row in landed:
+        assert row["topk_token_ids"] == [[2, 5]]
+        assert row["topk_logprobs"] == [[np.float32(-0.1).item(), -2.75]]  # float32, exact
+        assert row["support_token_ids"] == [[2, 5, 7]] and row["extra_token_ids"] == [[]]
 
 
 def test_steady_traffic_through_a_delta_outage_lands_every_record_once(tmp_path):

@@ -1,6 +1,7 @@
 import json
 from datetime import UTC, datetime
 
+import numpy as np
 import pytest
 
 from prodrl_pipeline.records.validate import prefix_continuity, split_valid
@@ -110,6 +111,32 @@ def test_good_records_pass_and_each_broken_rule_is_rejected_with_its_reason():
     assert {r["record_id"] for r in rejects if r["table_name"] == "calls"} == {
         c["call_id"] for c in calls if c["trajectory_id"] != "g"
     }
+
+
+def _as_engine_records(call: dict, ids=np.int64, logprobs=np.float32) -> dict:
+    """`call` with its per-position lists as the engine records them: one 1-D array a position."""
+    arrays = {"topk_token_ids": ids, "support_token_ids": ids, "topk_logprobs": logprobs}
+    return {**call, **{name: [np.array(x, dtype=t) for x in call[name]] for name, t in arrays.items()}}
+
+
+def test_the_engine_s_per_position_arrays_are_held_to_the_same_rules_as_lists():
+    """A call as the lab's engine records it (arrays, engine/rows.py) passes or fails exactly as
+    its lists do; ids that are not integers, and arrays of more than one dimension, are refused."""
+    good = _as_engine_records(_call("g"))
+    bad = [_as_engine_records(c) for c in BAD.values() if isinstance(c["topk_token_ids"][0], list)]
+    floats = _as_engine_records(_call("f"), ids=np.float64)
+    square = {**_call("s"), "topk_token_ids": [np.array([[4, 6]]), np.array([[5]])]}
+    calls = [good, *bad, floats, square]
+    trajs = [_traj(c["trajectory_id"]) for c in calls]
+    good_calls, _, rejects = split_valid(calls, trajs)
+    assert [c["call_id"] for c in good_calls] == ["g-0"]
+    reasons = {r["record_id"]: r["reason"] for r in rejects if r["table_name"] == "trajectories"}
+    lists = {r["record_id"]: r["reason"] for r in split_valid(list(BAD.values()), trajs)[2]}
+    assert all(reasons[c["trajectory_id"]] == lists[c["trajectory_id"]] for c in bad)
+    assert "topk_token_ids is not a list of lists of integers" in reasons["f"]
+    assert "topk_token_ids is not a list of lists of integers" in reasons["s"]
+    stored = next(r for r in rejects if r["record_id"] == "f-0")  # the arrays written as JSON lists
+    assert json.loads(stored["record_json"])["topk_token_ids"] == [[4.0, 6.0], [5.0]]
 
 
 def test_prefix_continuity_counts_later_calls_that_extend_what_was_served():

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -275,13 +276,16 @@ def _packed_token_by_token(calls, pad_id):
             out["pos"].append(len(c["prompt_token_ids"]) + t - 1)
             out["tok"].append(tok)
             out["temp"].append(c["sampling"]["temperature"])
-            size, head = c["support_size"][t], c["topk_token_ids"][t]  # the kept support (docs/tables.md)
-            restricted = head if size <= len(head) else c["support_token_ids"][t]
+            # the engine records per-position arrays (engine/rows.py): compared here as lists
+            head = np.asarray(c["topk_token_ids"][t]).tolist()
+            support = np.asarray(c["support_token_ids"][t]).tolist()
+            size = c["support_size"][t]  # the kept support (docs/tables.md)
+            restricted = head if size <= len(head) else support
             out["support"].append(None if size >= c["vocab_size"] else restricted)
             out["mu"].append(c["completion_logprobs"][t])
-            out["head"].append(c["topk_token_ids"][t])
-            out["head_mu"].append(c["topk_logprobs"][t])
-            out["extra"].append(c["extra_token_ids"][t])
+            out["head"].append(head)
+            out["head_mu"].append(np.asarray(c["topk_logprobs"][t]).tolist())
+            out["extra"].append(np.asarray(c["extra_token_ids"][t]).tolist())
             out["bias"].append(([e["token_id"] for e in bias], [e["bias"] for e in bias]) if bias else None)
     return ids, mask, out
 
