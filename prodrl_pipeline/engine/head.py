@@ -4,7 +4,9 @@ For log-probs `logp` [N, V] of mu and the sampled ids [N]: each row's K largest 
 descending, with their ids (the head of the data contract; entries past a row's kept support are
 -inf and are cut by the caller), each sampled id's log-prob, and whether any entry is -inf (then the
 kept supports must be counted). Values are exactly `torch.topk`'s and `gather`'s; of tied entries
-the compiled kernel keeps the lower ids first, `torch.topk` in an order of its own.
+the compiled kernel keeps the lower ids first, `torch.topk` in an order of its own. Returned as numpy
+arrays on the CPU: the recording keeps row views of them (engine/rows.py), and every torch call on
+a decode step's path costs microseconds more inside a run than alone (docs/performance.md).
 
 On CPU the compiled kernel (`_head.c`, built at install: pyproject.toml) computes all of it in one
 pass over each row; `torch.topk` over V = 5,025 took more than half of recording's time in the
@@ -17,18 +19,18 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
-from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Head:
-    values: torch.Tensor  # [N, K] float32, descending
-    ids: torch.Tensor  # [N, K] int64
-    sampled_logp: torch.Tensor  # [N]
+class Head(NamedTuple):
+    values: np.ndarray  # [N, K] the log-probs' dtype (float32 from the kernel), descending
+    ids: np.ndarray  # [N, K] int64
+    sampled_logp: np.ndarray  # [N]
     restricted: bool  # some row holds a -inf entry (a row holding a NaN, never recorded, aside)
 
 
@@ -80,18 +82,18 @@ def recorded_head(logp: torch.Tensor, k: int, sampled: torch.Tensor) -> Head:
         raise ValueError(f"the head needs K >= 1 entries, got {k}")
     sampled = sampled.contiguous()
     if _KERNEL is not None and _compiled_layout(logp, sampled) and k * VOCAB_PER_K <= v <= 2**31 - 1:
-        values = torch.empty((n, k), dtype=torch.float32)
-        ids = torch.empty((n, k), dtype=torch.int64)
-        sampled_logp = torch.empty(n, dtype=torch.float32)
+        values = np.empty((n, k), dtype=np.float32)
+        ids = np.empty((n, k), dtype=np.int64)
+        sampled_logp = np.empty(n, dtype=np.float32)
         removed = _KERNEL.prodrl_recorded_head(
             logp.data_ptr(),
             n,
             v,
             k,
             sampled.data_ptr(),
-            values.data_ptr(),
-            ids.data_ptr(),
-            sampled_logp.data_ptr(),
+            values.ctypes.data,
+            ids.ctypes.data,
+            sampled_logp.ctypes.data,
         )
         if removed == -2:
             raise IndexError(f"a sampled id is outside the vocabulary of {v}")
@@ -99,7 +101,8 @@ def recorded_head(logp: torch.Tensor, k: int, sampled: torch.Tensor) -> Head:
             return Head(values, ids, sampled_logp, removed > 0)
     values, ids = logp.topk(min(k, v), dim=-1)
     sampled_logp = logp.gather(1, sampled[:, None]).squeeze(1)
-    return Head(values, ids, sampled_logp, not bool(logp.amin() > float("-inf")))
+    restricted = not bool(logp.amin() > float("-inf"))
+    return Head(values.cpu().numpy(), ids.cpu().numpy(), sampled_logp.cpu().numpy(), restricted)
 
 
 def _compiled_layout(logp: torch.Tensor, sampled: torch.Tensor) -> bool:

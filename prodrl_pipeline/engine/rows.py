@@ -136,7 +136,7 @@ class Rows:
             kept_mask, kept = None, [self.vocab_size] * len(self.done)
         toks = sampled.tolist()
         lps = head.sampled_logp.tolist()
-        heads, head_lps = list(head.ids.cpu().numpy()), list(head.values.cpu().numpy())
+        heads, head_lps = list(head.ids), list(head.values)
         extras = list(extra.cpu().numpy()) if self.extra_samples else [NO_IDS] * len(toks)
         for i, (tok, size) in enumerate(zip(toks, kept, strict=True)):
             if self.done[i]:
