@@ -82,23 +82,24 @@ def recorded_head(logp: torch.Tensor, k: int, sampled: torch.Tensor) -> Head:
         raise ValueError(f"the head needs K >= 1 entries, got {k}")
     sampled = sampled.contiguous()
     if _KERNEL is not None and _compiled_layout(logp, sampled) and k * VOCAB_PER_K <= v <= 2**31 - 1:
-        values = np.empty((n, k), dtype=np.float32)
-        ids = np.empty((n, k), dtype=np.int64)
-        sampled_logp = np.empty(n, dtype=np.float32)
+        # torch allocates and hands over the pointers (numpy's `.ctypes` is slower in a run)
+        values = torch.empty((n, k), dtype=torch.float32)
+        ids = torch.empty((n, k), dtype=torch.int64)
+        sampled_logp = torch.empty(n, dtype=torch.float32)
         removed = _KERNEL.prodrl_recorded_head(
             logp.data_ptr(),
             n,
             v,
             k,
             sampled.data_ptr(),
-            values.ctypes.data,
-            ids.ctypes.data,
-            sampled_logp.ctypes.data,
+            values.data_ptr(),
+            ids.data_ptr(),
+            sampled_logp.data_ptr(),
         )
         if removed == -2:
             raise IndexError(f"a sampled id is outside the vocabulary of {v}")
         if removed >= 0:
-            return Head(values, ids, sampled_logp, removed > 0)
+            return Head(values.numpy(), ids.numpy(), sampled_logp.numpy(), removed > 0)
     values, ids = logp.topk(min(k, v), dim=-1)
     sampled_logp = logp.gather(1, sampled[:, None]).squeeze(1)
     restricted = not bool(logp.amin() > float("-inf"))
@@ -107,11 +108,11 @@ def recorded_head(logp: torch.Tensor, k: int, sampled: torch.Tensor) -> Head:
 
 def _compiled_layout(logp: torch.Tensor, sampled: torch.Tensor) -> bool:
     """Whether the kernel reads these tensors as they are: on CPU, float32 in C order, int64 ids."""
-    return (
-        logp.device.type == "cpu"
-        and sampled.device.type == "cpu"
-        and logp.dtype == torch.float32
+    return (  # the cheapest checks torch has (a decode step makes them)
+        logp.is_cpu
+        and sampled.is_cpu
+        and logp.dtype is torch.float32
         and logp.is_contiguous()
-        and sampled.dtype == torch.int64
+        and sampled.dtype is torch.int64
         and sampled.shape == logp.shape[:1]
     )
