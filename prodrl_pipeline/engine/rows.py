@@ -129,24 +129,22 @@ class Rows:
         gateway's engine thread re-takes the GIL after every torch call."""
         k = min(self.top_logprobs, self.vocab_size)
         head = recorded_head(logp, k, sampled)
-        if head.restricted:  # the kept support (a broken row's NaNs are never recorded)
-            kept_mask = logp > float("-inf")
-            kept = kept_mask.sum(-1).tolist()
-        else:  # nothing removed anywhere: all kept
-            kept_mask, kept = None, [self.vocab_size] * len(self.done)
-        toks = sampled.tolist()
-        lps = head.sampled_logp.tolist()
+        toks, lps = sampled.tolist(), head.sampled_logp.tolist()
         heads, head_lps = list(head.ids), list(head.values)
         extras = list(extra.cpu().numpy()) if self.extra_samples else [NO_IDS] * len(toks)
-        for i, (tok, size) in enumerate(zip(toks, kept, strict=True)):
+        if not head.restricted:  # nothing removed anywhere: every support is the vocabulary
+            for i, tok in enumerate(toks):
+                if not self.done[i]:
+                    self.append(i, tok, lps[i], heads[i], head_lps[i], self.vocab_size, NO_IDS, extras[i])
+            return toks
+        kept_mask = logp > float("-inf")  # the kept supports (a broken row's NaNs are never recorded)
+        for i, size in enumerate(kept_mask.sum(-1).tolist()):
             if self.done[i]:
                 continue
-            n_head = min(k, size)
-            stored = n_head < size < self.vocab_size
-            support = kept_mask[i].nonzero().squeeze(1).cpu().numpy() if stored else NO_IDS
-            if n_head < k:  # the head's -inf entries cut
-                heads[i], head_lps[i] = heads[i][:n_head], head_lps[i][:n_head]
-            self.append(i, tok, lps[i], heads[i], head_lps[i], size, support, extras[i])
+            n_head = min(k, size)  # the head's -inf entries cut
+            listed = n_head < size < self.vocab_size
+            support = kept_mask[i].nonzero().squeeze(1).cpu().numpy() if listed else NO_IDS
+            self.append(i, toks[i], lps[i], heads[i][:n_head], head_lps[i][:n_head], size, support, extras[i])
         return toks
 
     def force_common(self) -> list[list[int]]:
