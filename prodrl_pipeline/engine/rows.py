@@ -11,11 +11,13 @@ A position's head, support and extra samples are 1-D numpy arrays (ids int64, lo
 dtype, float32 on the lab engine): a step's [N, K] head becomes N row views in one call, where
 Python lists would cost an object an entry (2,560 a step for the lab's batch) and the collector's
 passes over them; Arrow takes the arrays as they are (records/schema.py), a JSON answer turns the
-few it shows into lists.
+few it shows into lists. Positions that record the same thing share one read-only array: `NO_IDS`,
+and a forced id's head.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -223,4 +225,17 @@ def _forced_record(
     tok: int, extra_samples: int
 ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
     """A forced token's head, head log-prob, support size, support and extra samples: itself alone."""
-    return ids_array([tok]), np.zeros(1, dtype=np.float32), 1, NO_IDS, ids_array([tok] * extra_samples)
+    extra = _alone(tok) if extra_samples == 1 else ids_array([tok] * extra_samples)
+    return _alone(tok), _CERTAIN, 1, NO_IDS, extra
+
+
+@functools.cache  # one array an id the constraints force (most of a tool call's tokens)
+def _alone(tok: int) -> np.ndarray:
+    ids = ids_array([tok])
+    ids.flags.writeable = False
+    return ids
+
+
+_CERTAIN = np.zeros(1, dtype=np.float32)
+_CERTAIN.flags.writeable = False
+"""A forced token's head log-prob: 0."""
