@@ -106,48 +106,45 @@ def test_with_fsync_each_record_and_each_new_segment_s_directory_entry_reach_the
     assert True in synced[2:]  # the segment opened when the first was sealed
 
 
-def test_a_backlog_beyond_the_held_segments_is_read_back_and_lands_exactly_as_appended(tmp_path):
-    """Segments whose rows are held in memory and segments read back from the spool (a backlog
-    while Delta refuses commits) land the same rows, once each."""
+def _landed_after_an_outage(tmp_path, calls: list[dict]) -> list[dict]:
+    """The landed rows (by call id) of `calls` appended one segment each while Delta refuses
+    commits: the first HELD_SEGMENTS land from memory, the rest are read back from the spool."""
     store = DeltaStore(tmp_path / "tables")
     log = LandingLog(store, tmp_path / "spool", flush_records=1, flush_seconds=0.05, max_pending=100)
     log.start()
     blocker = tmp_path / "tables" / "landing_calls"
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("not a Delta table: commits fail until this file goes")
-    calls = [
-        {**_call(i), "sampling": {**_call(i)["sampling"], "logit_bias": [{"token_id": i, "bias": -1.5}]}}
-        for i in range(HELD_SEGMENTS + 3)
-    ]
     for call in calls:
         log.append("call", call)
     blocker.unlink()
     log.stop()
-    landed = sorted(store.read("landing_calls").to_pylist(), key=lambda r: r["call_id"])
+    return sorted(store.read("landing_calls").to_pylist(), key=lambda r: r["call_id"])
+
+
+def test_a_backlog_beyond_the_held_segments_is_read_back_and_lands_exactly_as_appended(tmp_path):
+    """Segments whose rows are held in memory and segments read back from the spool (a backlog
+    while Delta refuses commits) land the same rows, once each."""
+    calls = [
+        {**_call(i), "sampling": {**_call(i)["sampling"], "logit_bias": [{"token_id": i, "bias": -1.5}]}}
+        for i in range(HELD_SEGMENTS + 3)
+    ]
+    landed = _landed_after_an_outage(tmp_path, calls)
     assert landed == pa.Table.from_pylist(calls, schema=TABLES["landing_calls"]).to_pylist()
 
 
 def test_a_call_recorded_as_arrays_lands_as_its_lists_do_held_or_read_back(tmp_path):
     """The engine records a position's head and support as arrays (engine/rows.py): a call holding
     them lands the same rows as its lists, from memory and from the spool's JSON."""
-    store = DeltaStore(tmp_path / "tables")
-    log = LandingLog(store, tmp_path / "spool", flush_records=1, flush_seconds=0.05, max_pending=100)
-    log.start()
-    blocker = tmp_path / "tables" / "landing_calls"
-    blocker.parent.mkdir(parents=True, exist_ok=True)
-    blocker.write_text("not a Delta table: commits fail until this file goes")
-    calls = [_call(i) for i in range(HELD_SEGMENTS + 2)]
-    for call in calls:
-        arrays = {
-            "topk_token_ids": [np.array([2, 5], dtype=np.int64)],
-            "topk_logprobs": [np.array([-0.1, -2.75], dtype=np.float32)],
-            "support_token_ids": [np.array([2, 5, 7], dtype=np.int64)],
-            "extra_token_ids": [np.array([], dtype=np.int64)],
-        }
-        log.append("call", {**call, **arrays, "support_size": [3]})
-    blocker.unlink()
-    log.stop()
-    landed = sorted(store.read("landing_calls").to_pylist(), key=lambda r: r["call_id"])
+    arrays = {
+        "topk_token_ids": [np.array([2, 5], dtype=np.int64)],
+        "topk_logprobs": [np.array([-0.1, -2.75], dtype=np.float32)],
+        "support_size": [3],
+        "support_token_ids": [np.array([2, 5, 7], dtype=np.int64)],
+        "extra_token_ids": [np.array([], dtype=np.int64)],
+    }
+    calls = [{**_call(i), **arrays} for i in range(HELD_SEGMENTS + 2)]
+    landed = _landed_after_an_outage(tmp_path, calls)
     assert [r["call_id"] for r in landed] == [c["call_id"] for c in calls]
     for row in landed:
         assert row["topk_token_ids"] == [[2, 5]]
