@@ -103,7 +103,13 @@ def recorded_head(logp: torch.Tensor, k: int, sampled: torch.Tensor) -> Head:
     values, ids = logp.topk(min(k, v), dim=-1)
     sampled_logp = logp.gather(1, sampled[:, None]).squeeze(1)
     restricted = not bool(logp.amin() > float("-inf"))
-    return Head(values.cpu().numpy(), ids.cpu().numpy(), sampled_logp.cpu().numpy(), restricted)
+    return Head(_numpy(values), _numpy(ids), _numpy(sampled_logp), restricted)
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """`t` on the CPU as numpy holds it (bfloat16, which numpy lacks, widened exactly to float32)."""
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def _compiled_layout(logp: torch.Tensor, sampled: torch.Tensor) -> bool:

@@ -16,23 +16,37 @@ from prodrl_pipeline.records.schema import json_value
 HEAD_MASS_TOLERANCE = 1e-4  # log-space slack for float32 rounding of recorded head probabilities
 
 
-def _logsumexp(xs: list[float]) -> float:
-    top = max(xs)
-    return top + math.log(sum(math.exp(x - top) for x in xs))
+def _logsumexp(xs: list[float] | np.ndarray) -> float:
+    """In float64 whatever the entries' type (a float32 array's own arithmetic would round)."""
+    values = [float(x) for x in xs]
+    top = max(values)
+    return top + math.log(sum(math.exp(x - top) for x in values))
 
 
 def _ints(xs: object) -> bool:
-    if isinstance(xs, np.ndarray):  # a position's ids as the engine records them
-        return xs.ndim == 1 and xs.dtype.kind in "iu"
     return isinstance(xs, list | tuple) and all(isinstance(x, int) and not isinstance(x, bool) for x in xs)
 
 
 def _numbers(xs: object) -> bool:
-    if isinstance(xs, np.ndarray):  # a position's log-probs as the engine records them
-        return xs.ndim == 1 and xs.dtype.kind in "iuf"
     return isinstance(xs, list | tuple) and all(
         x is None or (isinstance(x, int | float) and not isinstance(x, bool)) for x in xs
     )
+
+
+def _row(kinds: str, check):  # noqa: ANN001, ANN202
+    """A position's entries: a list `check` accepts, or a 1-D array of one of the dtype `kinds` in
+    the machine's byte order (the engine records a position's head, support and extra samples as
+    arrays, engine/rows.py; Arrow takes no other)."""
+
+    def row(xs: object) -> bool:
+        if isinstance(xs, np.ndarray):
+            return xs.ndim == 1 and xs.dtype.kind in kinds and xs.dtype.isnative
+        return check(xs)
+
+    return row
+
+
+_id_row, _number_row = _row("iu", _ints), _row("iuf", _numbers)
 
 
 def _lists_of(check, xs: object) -> bool:
@@ -46,17 +60,23 @@ def _bias_entries(xs: object) -> bool:
     )
 
 
+def _given(call: dict, name: str) -> object:
+    """A column's value, [] when absent or null (not by truthiness: an array has none)."""
+    value = call.get(name)
+    return [] if value is None else value
+
+
 def _shape_problem(call: dict) -> str | None:
     """The first column whose type is not the contract's (records from outside are hostile)."""
     for name in ("prompt_token_ids", "completion_token_ids", "support_size"):
-        if not _ints(call.get(name) or []):
+        if not _ints(_given(call, name)):
             return f"{name} is not a list of integers"
     for name in ("topk_token_ids", "support_token_ids", "extra_token_ids"):
-        if not _lists_of(_ints, call.get(name) or []):
+        if not _lists_of(_id_row, _given(call, name)):
             return f"{name} is not a list of lists of integers"
-    if not _numbers(call.get("completion_logprobs") or []):
+    if not _numbers(_given(call, "completion_logprobs")):
         return "completion_logprobs is not a list of numbers"
-    if not _lists_of(_numbers, call.get("topk_logprobs") or []):
+    if not _lists_of(_number_row, _given(call, "topk_logprobs")):
         return "topk_logprobs is not a list of lists of numbers"
     if not _ints([call.get("vocab_size") or 0]):
         return "vocab_size is not an integer"

@@ -139,6 +139,20 @@ def test_a_large_head_and_ids_on_another_device_go_to_torch():
     assert not head_module._compiled_layout(logp, torch.zeros(2, dtype=torch.long, device="meta"))
 
 
+def test_bfloat16_log_probs_and_ones_that_require_grad_give_numpy_heads():
+    """torch's path hands numpy arrays back for log-probs numpy has no dtype for (bfloat16, widened
+    exactly) and for ones that require grad (detached)."""
+    torch.manual_seed(4)
+    logp = torch.randn(3, 300).log_softmax(-1)
+    sampled = torch.tensor([0, 5, 9])
+    want = recorded_head(logp, 10, sampled)
+    half = recorded_head(logp.bfloat16(), 10, sampled)
+    assert half.values.dtype == "float32"
+    assert half.values.tolist() == logp.bfloat16().float().topk(10).values.tolist()
+    grad = recorded_head(logp.double().requires_grad_(), 10, sampled)
+    assert grad.values.tolist() == want.values.astype("float64").tolist()
+
+
 def test_a_sampled_id_outside_the_vocabulary_is_an_error(path):
     logp = torch.zeros(3, 50).log_softmax(-1)
     for bad in (50, -1):

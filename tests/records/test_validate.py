@@ -4,7 +4,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pytest
 
-from prodrl_pipeline.records.validate import prefix_continuity, split_valid
+from prodrl_pipeline.records.validate import call_problem, prefix_continuity, split_valid
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 
@@ -137,6 +137,37 @@ def test_the_engine_s_per_position_arrays_are_held_to_the_same_rules_as_lists():
     assert "topk_token_ids is not a list of lists of integers" in reasons["s"]
     stored = next(r for r in rejects if r["record_id"] == "f-0")  # the arrays written as JSON lists
     assert json.loads(stored["record_json"])["topk_token_ids"] == [[4.0, 6.0], [5.0]]
+
+
+def test_a_head_near_the_mass_bound_gets_one_verdict_as_a_list_and_as_a_float32_array():
+    """The head's log-mass is summed in float64 whatever holds it: heads of float32 values whose
+    mass lies within float32 rounding of the bound, as lists and as the engine's arrays."""
+    rng = np.random.default_rng(0)
+    verdicts = []
+    for _ in range(300):
+        x = rng.normal(size=5) * 2
+        x = (x - np.log(np.exp(x).sum()) + 1e-4 + rng.normal() * 2e-7).astype(np.float32)
+        head = {
+            "topk_token_ids": [[4, 0, 1, 2, 3], [5]],
+            "support_size": [10, 1],
+            "support_token_ids": [[], []],
+        }
+        as_list = _call("l", **head, topk_logprobs=[x.tolist(), [0.0]])
+        as_array = _as_engine_records(as_list)
+        verdicts.append((call_problem(as_list), call_problem(as_array)))
+    assert all(a == b for a, b in verdicts)
+    assert {a is None for a, _ in verdicts} == {True, False}  # both sides of the bound were met
+
+
+def test_per_call_columns_take_lists_only():
+    """Only a position's head, support and extra samples may be arrays: a per-call column that is
+    one (whose `+` would add elementwise) is refused, whatever its length."""
+    for prompt in (np.array([3]), np.array([12]), np.array([1, 2])):
+        assert (
+            call_problem(_call("a", prompt_token_ids=prompt)) == "prompt_token_ids is not a list of integers"
+        )
+    swapped = _as_engine_records(_call("b"), ids=np.dtype(">i8"))  # Arrow takes no byte-swapped array
+    assert call_problem(swapped) == "topk_token_ids is not a list of lists of integers"
 
 
 def test_prefix_continuity_counts_later_calls_that_extend_what_was_served():
