@@ -200,7 +200,7 @@ class VLLMEngine:
             out.topk_ids.append(ids_array([i for _, i in head]))
             out.topk_logprobs.append(np.array([lp for lp, _ in head], dtype=np.float32))
             out.support_size.append(size)
-            listed = support and len(head) < size < self.vocab_size
+            listed = bool(support) and len(head) < size < self.vocab_size
             out.support_ids.append(ids_array(list(support) if listed else []))
             out.extra_ids.append(ids_array([]))
         return out

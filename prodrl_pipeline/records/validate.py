@@ -33,20 +33,18 @@ def _numbers(xs: object) -> bool:
     )
 
 
-def _row(kinds: str, check):  # noqa: ANN001, ANN202
-    """A position's entries: a list `check` accepts, or a 1-D array of one of the dtype `kinds` in
-    the machine's byte order (the engine records a position's head, support and extra samples as
-    arrays, engine/rows.py; Arrow takes no other)."""
-
-    def row(xs: object) -> bool:
-        if isinstance(xs, np.ndarray):
-            return xs.ndim == 1 and xs.dtype.kind in kinds and xs.dtype.isnative
-        return check(xs)
-
-    return row
+def _array_row(xs: np.ndarray, kinds: str) -> bool:
+    """A position's entries as the engine records them (engine/rows.py): a 1-D array of one of the
+    dtype `kinds`, in the machine's byte order (Arrow takes no other)."""
+    return xs.ndim == 1 and xs.dtype.kind in kinds and xs.dtype.isnative
 
 
-_id_row, _number_row = _row("iu", _ints), _row("iuf", _numbers)
+def _id_row(xs: object) -> bool:
+    return _array_row(xs, "iu") if isinstance(xs, np.ndarray) else _ints(xs)
+
+
+def _number_row(xs: object) -> bool:
+    return _array_row(xs, "iuf") if isinstance(xs, np.ndarray) else _numbers(xs)
 
 
 def _lists_of(check, xs: object) -> bool:
