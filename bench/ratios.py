@@ -3,7 +3,9 @@ how it times its contenders (alternating, so slow drift of a noisy machine hits 
 table and JSON `python -m bench` writes.
 
 A ratio's samples are one per repeat (each repeat times every contender once, in turn); the table
-shows their median and range, the goal and whether the median meets it.
+shows their median and range, the goal and whether the median meets it. A goal is a share of what a
+user waits for (a round, the engine's serving time) or a cost a user pays (memory, a step); a
+ratio without a goal is a figure, shown for what it says.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class Ratio:
     name: str
     """What is divided by what, e.g. "engine decode tokens/s / transformers generate"."""
     samples: tuple[float, ...]
-    goal: float
+    goal: float | None
+    """None: a figure, shown without a verdict."""
     at_least: bool = True
     """True: the goal is a floor (>=); False: a ceiling (<=)."""
     detail: str = ""
@@ -33,7 +36,9 @@ class Ratio:
         return statistics.median(self.samples)
 
     @property
-    def passed(self) -> bool:
+    def passed(self) -> bool | None:
+        if self.goal is None:
+            return None
         return self.median >= self.goal if self.at_least else self.median <= self.goal
 
     def as_dict(self) -> dict:
@@ -91,12 +96,13 @@ def speedup(times: dict[str, list[float]], subject: str, baseline: str) -> tuple
 
 def table(ratios: Sequence[Ratio]) -> str:
     width = max(len(r.name) for r in ratios)
-    lines = [f"{'ratio':{width}s}  median  range        goal     result"]
+    lines = [f"{'ratio':{width}s}  median  range          goal     result"]
     for r in ratios:
-        goal = f"{'>=' if r.at_least else '<='} {r.goal:g}"
+        goal = "" if r.goal is None else f"{'>=' if r.at_least else '<='} {r.goal:g}"
+        result = {None: "figure", True: "pass", False: "FAIL"}[r.passed]
         lines.append(
-            f"{r.name:{width}s}  {r.median:6.2f}  {min(r.samples):.2f}-{max(r.samples):<6.2f}  "
-            f"{goal:7s}  {'pass' if r.passed else 'FAIL'}"
+            f"{r.name:{width}s}  {r.median:6.3f}  {min(r.samples):.3f}-{max(r.samples):<6.3f}  "
+            f"{goal:7s}  {result}"
         )
     return "\n".join(lines)
 

@@ -12,13 +12,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RATIOS = {
     "engine decode tokens/s / transformers generate",
-    "engine recording K=20 / recording stubbed out (timed inside the runs)",
+    "recording K=20 / engine time",
     "lean step / trainer step (speed, same tokens)",
     "Delta write / parquet write (speed)",
     "Delta write / parquet write, from dicts (speed)",
     "Delta read / parquet read (speed)",
     "environment + tokenizer + bookkeeping / lab round",
-    "lab round through Dagster / its asset bodies",
+    "Delta I/O / lab round",
+    "Dagster / lab round",
     "score centering (head, K=20) step / reinforce step",
     "peak memory, chunked log-probs / naive",
 }
@@ -39,7 +40,10 @@ def test_every_benchmark_runs_and_the_table_is_written(tmp_path):
     for r in rows:
         assert r["samples"] and all(math.isfinite(x) and x > 0 for x in r["samples"]), r
         assert r["median"] == statistics.median(r["samples"])
-        assert r["passed"] == (r["median"] >= r["goal"] if r["at_least"] else r["median"] <= r["goal"])
+        if r["goal"] is None:  # a figure
+            assert r["passed"] is None
+        else:
+            assert r["passed"] == (r["median"] >= r["goal"] if r["at_least"] else r["median"] <= r["goal"])
         assert r["name"] in done.stdout  # and printed in the table
 
 

@@ -1,27 +1,27 @@
 """Delta Lake storage of every table under one root (a local folder or an object-store URI).
 
-Per-round tables are written with a predicate overwrite (`round = k`), so re-materializing a
-round replaces its rows and never duplicates them. Queries run on DataFusion (deltalake's
-QueryBuilder): the one SQL engine of the project.
+Every write goes through deltalake's own writer. Per-round tables are written with a predicate
+overwrite (`round = k`), so re-materializing a round replaces its rows and never duplicates them;
+an overwrite that loses a race to another writer's commit is run again from the new version, so
+what it leaves in the round is its rows and nothing another writer appended meanwhile. Reads and
+queries run on DataFusion (deltalake's QueryBuilder): the one SQL engine of the project, and not
+pyarrow's dataset scan of a Delta table, which can abort the interpreter at exit (its thread pool
+calling back into deltalake's Python filesystem).
 
 A store keeps each table's latest snapshot and brings it up to date before each read or write (the
-commits since it was last used: ~0.5 ms, against ~8 ms to open the table). A local table of the
-store's schema is written as a parquet file by pyarrow (`delta_files`) and committed by the store
-itself (`delta_log`; deltalake's commit when another writer took the version): between deltalake's
-catch-ups its reads and writes are served from the files its own commits left. Any other write goes
-through deltalake's writer.
+commits since it was last used: ~0.5 ms, against ~8 ms to open the table).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -33,33 +33,20 @@ from deltalake import (
     Transaction,
     write_deltalake,
 )
-from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError
 
-from prodrl_pipeline.records import delta_log
-from prodrl_pipeline.records.delta_files import (
-    PARTITION,
-    commit_exists,
-    commit_version,
-    local_folder,
-    log_identity,
-    newer_commit,
-    read_file,
-    write_file,
-)
-from prodrl_pipeline.records.delta_log import LiveFiles
 from prodrl_pipeline.records.schema import TABLES
 
 log = logging.getLogger(__name__)
 
-ROUND_GUARD = "prodrl.round={}"
-"""The app id each write of a whole round (a round overwrite; an append, per round it holds) of a
-partitioned table commits with: deltalake fails a commit whose app id a concurrent commit also
-carries, as it would not otherwise for an overwrite committed from a pyarrow file (no predicate of
-its own to check the other's files against). Its version is the snapshot's the write started from."""
+PARTITION = "round"
+"""The one partition column of a partitioned table."""
+PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "policy_logprobs", "eval_results"}
 ROUND_PREDICATE = re.compile(r"round = (-?[0-9]+)")
 SAFE_ID = re.compile(r"[A-Za-z0-9_.:-]+")  # ids that may appear inside a SQL predicate
-PARTITIONED = {"calls", "trajectories", "advantages", "train_steps", "policy_logprobs", "eval_results"}
+OVERWRITE_ATTEMPTS = 5
+"""Times an overwrite is committed before its lost races are reported: each loss means another
+writer committed to the rows it replaces, and the next attempt replaces them from the new version."""
 CHECKPOINT_INTERVAL = 10
 """Commits between the log checkpoints this store writes. Opening a table replays every commit
 since its last checkpoint (~0.5 ms each): a long-lived table taking many small appends (the
@@ -72,6 +59,21 @@ TABLE_PROPERTIES = {
 """Set on every table this store creates, and by `maintain` on older ones."""
 NO_HOOKS = PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False)
 """A commit writes no checkpoint of its own (`_checkpoint` does, best effort) and deletes no log."""
+RESERVED = frozenset(
+    {
+        "timestamp",
+        "operation",
+        "operationParameters",
+        "engineInfo",
+        "clientVersion",
+        "readVersion",
+        "isBlindAppend",
+        "operationMetrics",
+        "inCommitTimestamp",
+    }
+)
+"""commitInfo fields the writer sets: commit metadata may not name them (deltalake refuses them at
+the first write; the store when it is made)."""
 
 
 class StorageError(OSError):
@@ -90,12 +92,6 @@ def _read_sql(dt: DeltaTable, round_: int | None) -> pa.Table:
     return pa.table(QueryBuilder().register("t", dt).execute(f"SELECT * FROM t{where}").read_all())
 
 
-@functools.cache
-def _delta_schema(table: str) -> str:
-    """The store's schema of `table`, as the JSON of Delta's schema."""
-    return DeltaSchema.from_arrow(TABLES[table]).to_json()
-
-
 def _as_schema(data: pa.Table, schema: pa.Schema) -> pa.Table:
     """Rows read from a table as `schema` (string views, large types and column order as ours); a
     file written by an older prodrl lacks newer (nullable) columns: they are filled with nulls."""
@@ -104,6 +100,17 @@ def _as_schema(data: pa.Table, schema: pa.Schema) -> pa.Table:
             data = data.append_column(field.name, pa.nulls(data.num_rows, field.type))
     data = data.select(schema.names)
     return data if data.schema.equals(schema) else data.cast(schema)
+
+
+def _identity(dt: DeltaTable) -> tuple[int, int, int] | None:
+    """The commit file of a local snapshot's version as (inode, size, modification time in ns);
+    None if it is gone. Another value means another file: the table was deleted and made anew."""
+    folder = unquote(dt.table_uri.removeprefix("file://"))
+    try:
+        stat = os.stat(os.path.join(folder, "_delta_log", f"{dt.version():020d}.json"))
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 class DeltaStore:
@@ -125,16 +132,13 @@ class DeltaStore:
     ):
         self.root = str(root).rstrip("/")
         self.commit_metadata = dict(commit_metadata or {})
-        if clash := delta_log.RESERVED.intersection(self.commit_metadata):
+        if clash := RESERVED.intersection(self.commit_metadata):
             raise ValueError(f"commit_metadata may not set the commitInfo fields {sorted(clash)}")
         self.storage_options = dict(storage_options or {}) or None
         self.lineage = lineage
         self.versions_read: dict[str, set[int]] = {}
         self.versions_written: dict[str, set[int]] = {}
         self._snapshots: dict[str, tuple[DeltaTable, tuple[int, int, int] | None]] = {}
-        self._live: dict[str, LiveFiles] = {}
-        """Per table, the files the store's own commits since its snapshot's version left (the
-        commits after that version are all its own); absent when the snapshot is current."""
         self._locks: dict[str, threading.Lock] = {}
 
     def uri(self, table: str) -> str:
@@ -172,58 +176,45 @@ class DeltaStore:
             ) from e
 
     @contextmanager
-    def _latest(self, table: str, own: bool = False) -> Iterator[DeltaTable | None]:
+    def _latest(self, table: str) -> Iterator[DeltaTable | None]:
         """The table's kept snapshot brought to its latest version, or None if the table does not
         exist, with the table's lock held (the store's threads share it: a gateway's landing and live
-        follower). With `own`, a snapshot behind only the store's own commits stays there: the
-        caller reads `_live` (a foreign commit after them brings it up to date). A read or write
-        that fails drops it: the next one opens the table afresh, as does one that finds the
-        snapshot's own commit file gone or replaced (the table deleted and made anew under this
-        store; `log_identity`)."""
+        follower). A read or write that fails drops it: the next one opens the table afresh, as does
+        one that finds the snapshot's commit file gone or replaced (the table deleted and made anew
+        under this store)."""
         with self._locks.setdefault(table, threading.Lock()):
             dt, identity = self._snapshots.get(table, (None, None))
-            live = self._live.pop(table, None)
             try:
-                if dt is not None and self._local and log_identity(dt) != identity:
-                    dt, live = None, None
+                if dt is not None and self._local and _identity(dt) != identity:
+                    dt = None
                 if dt is None:
                     dt = self.table(table) if self.exists(table) else None
-                elif live is not None and own and not commit_exists(local_folder(dt), live.version + 1):
-                    self._live[table] = live
-                elif live is not None or not self._local or newer_commit(dt):
+                else:
                     with self._reading(table):
                         dt.update_incremental()
                 yield dt
                 if dt is not None:  # at the version the body left it at (a write moves it)
-                    self._snapshots[table] = (dt, log_identity(dt) if self._local else None)
+                    self._snapshots[table] = (dt, _identity(dt) if self._local else None)
             except BaseException:
                 self._snapshots.pop(table, None)
-                self._live.pop(table, None)
                 raise
 
     @contextmanager
     def _snapshot(self, table: str, version: int | None) -> Iterator[DeltaTable | None]:
-        """The latest snapshot (kept, locked; `_live` may be ahead of it), or the table at a pinned
-        `version` (opened)."""
+        """The latest snapshot (kept, locked), or the table at a pinned `version` (opened)."""
         if version is None:
-            with self._latest(table, own=True) as dt:
+            with self._latest(table) as dt:
                 yield dt
         else:
             yield self.table(table, version) if self.exists(table) else None
 
     def _commit(
-        self,
-        extra: Mapping[str, str] | None,
-        transaction: tuple[str, int] | None = None,
-        rounds: Sequence[int | None] = (),
-        version: int = 0,
+        self, extra: Mapping[str, str] | None, transaction: tuple[str, int] | None = None
     ) -> CommitProperties:
-        """The commit's metadata and app transactions: the caller's, and one per round it writes
-        whole (`ROUND_GUARD`), which makes two concurrent writes of one round conflict."""
-        txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else []
-        txns += [Transaction(app_id=ROUND_GUARD.format(k), version=version) for k in rounds]
+        """The commit's metadata (the store's and `extra`) and the caller's app transaction."""
+        txns = [Transaction(app_id=transaction[0], version=transaction[1])] if transaction else None
         return CommitProperties(
-            custom_metadata={**self.commit_metadata, **(extra or {})}, app_transactions=txns or None
+            custom_metadata={**self.commit_metadata, **(extra or {})}, app_transactions=txns
         )
 
     def _seen(self, versions: dict[str, set[int]], table: str, version: int) -> None:
@@ -240,9 +231,10 @@ class DeltaStore:
     def overwrite(self, table: str, rows: pa.Table | Sequence[dict], predicate: str) -> int:
         """Replace the rows matching `predicate` (e.g. "round = 3") by `rows`; returns the count. A
         predicate of exactly `round = k` on a partitioned table replaces round k's files, and every
-        row must be of round k (a ValueError names those that are not, before anything is written)."""
+        row must be of round k (a ValueError names those that are not, before anything is written).
+        A commit that loses a race to another writer's is made again from the new version (up to
+        OVERWRITE_ATTEMPTS times; then the CommitFailedError is raised)."""
         data = self._conform(table, rows)
-        round_ = None
         if table in PARTITIONED and (match := ROUND_PREDICATE.fullmatch(predicate)):
             round_ = int(match[1])
             outside = data.num_rows - (pc.sum(pc.equal(data["round"], round_)).as_py() or 0)  # nulls too
@@ -251,8 +243,21 @@ class DeltaStore:
                     f"{outside} rows failed validation: the overwrite of table {table!r} replaces round "
                     f"{round_} and these rows have another round"
                 )
-        self._write(table, data, {"predicate": predicate}, None, predicate, round_)
-        return data.num_rows
+        attempt = 1
+        while True:
+            try:
+                self._write(table, data, {"predicate": predicate}, None, predicate)
+                return data.num_rows
+            except CommitFailedError as e:
+                if attempt == OVERWRITE_ATTEMPTS:
+                    raise
+                attempt += 1
+                log.info(
+                    "table %r: the overwrite of %s lost a race; made again: %s",
+                    table,
+                    predicate,
+                    _one_line(e),
+                )
 
     def _write(
         self,
@@ -261,27 +266,17 @@ class DeltaStore:
         extra: Mapping[str, str] | None,
         transaction: tuple[str, int] | None,
         predicate: str | None = None,
-        round_: int | None = None,
     ) -> None:
-        """Append `data`, or overwrite the rows matching `predicate` (all of round `round_`, when the
-        predicate is `round = round_`), through the table's latest snapshot, so the version the
-        commit got, rebased over other writers', is known. A failure other than a lost commit race
-        (disk full, read-only storage, a lost connection) is reported as a StorageError naming the
-        table, which stays readable at its last committed version (a Delta commit is atomic)."""
+        """Append `data`, or overwrite the rows matching `predicate`, through the table's latest
+        snapshot, so the version the commit got, rebased over other writers', is known. A lost
+        commit race is raised as deltalake's CommitFailedError; any other failure (disk full,
+        read-only storage, a lost connection) as a StorageError naming the table, which stays
+        readable at its last committed version (a Delta commit is atomic)."""
         mode = "append" if predicate is None else "overwrite"
+        commit = self._commit(extra, transaction)
         partition_by = [PARTITION] if table in PARTITIONED else None
         try:
-            with self._latest(table, own=True) as target:
-                rounds = self._whole_rounds(table, data, predicate, round_) if target is not None else []
-                partition = target is not None and self._file_partition(
-                    target, table, data, predicate, rounds
-                )
-                if partition is False and self._live.pop(table, None):  # deltalake's writer reads it
-                    with self._reading(table):
-                        target.update_incremental()
-                live = self._live.get(table)
-                read_version = live.version if live else target.version() if target else 0
-                commit = self._commit(extra, transaction, rounds, read_version)
+            with self._latest(table) as target:
                 if target is None:
                     write_deltalake(
                         self.uri(table),
@@ -294,8 +289,6 @@ class DeltaStore:
                         post_commithook_properties=NO_HOOKS,
                     )
                     version = 0
-                elif partition is not False:
-                    version = self._commit_file(target, table, data, partition, predicate, commit)
                 else:
                     write_deltalake(
                         target,
@@ -308,9 +301,7 @@ class DeltaStore:
                         post_commithook_properties=NO_HOOKS,
                     )
                     version = target.version()
-                if target is not None and version is not None and not version % CHECKPOINT_INTERVAL:
-                    # deltalake checkpoints its snapshot's version: one behind own commits catches up
-                    self._checkpoint(table, target, version, catch_up=self._live.pop(table, None) is not None)
+                    self._checkpoint(table, target, version)
         except (CommitFailedError, StorageError):  # a lost race; or the snapshot's read named the table
             raise
         except (DeltaError, OSError) as e:
@@ -320,97 +311,15 @@ class DeltaStore:
                 f"writing {data.num_rows} rows to table {table!r} failed: {_one_line(e)}; the table stays "
                 f"at its last committed version ({self._last_version(table)})"
             ) from e
-        if version is not None:
-            self._seen(self.versions_written, table, version)
+        self._seen(self.versions_written, table, version)
 
-    @staticmethod
-    def _whole_rounds(
-        table: str, data: pa.Table, predicate: str | None, round_: int | None
-    ) -> list[int | None]:
-        """The rounds of a partitioned table a write replaces or appends to (`ROUND_GUARD`)."""
-        if table not in PARTITIONED:
-            return []
-        if predicate is None:
-            return data["round"].unique().to_pylist()
-        return [] if round_ is None else [round_]
-
-    def _file_partition(
-        self, target: DeltaTable, table: str, data: pa.Table, predicate: str | None, rounds: list[int | None]
-    ) -> int | None | bool:
-        """Whether `data` can be written as one pyarrow file committed by deltalake, and then its
-        partition (a round; None for an unpartitioned table): False unless the table is local, of
-        reader protocol 1 and writer protocol 2 with no features, has exactly the store's schema,
-        and the write is an append, or writes one whole round (`rounds`, from `_whole_rounds`) of a
-        partitioned table; not on an append-only table (`delta.appendOnly`)."""
-        writer = target.protocol()
-        if not (self._plain(target) and writer.min_writer_version <= 2 and not writer.writer_features):
-            return False
-        if data.num_rows == 0 or target.schema().to_json() != _delta_schema(table):
-            return False
-        metadata = target.metadata()
-        if metadata.partition_columns != ([PARTITION] if table in PARTITIONED else []):
-            return False  # a table partitioned otherwise than the store's: deltalake's writer says so
-        if metadata.configuration.get("delta.appendOnly", "false").lower() == "true":
-            return False  # an overwrite's removes are refused there: deltalake's writer says so
-        if table not in PARTITIONED:
-            return None if predicate is None else False
-        return rounds[0] if len(rounds) == 1 and rounds[0] is not None else False
-
-    def _commit_file(
-        self,
-        target: DeltaTable,
-        table: str,
-        data: pa.Table,
-        partition: int | None,
-        predicate: str | None,
-        commit: CommitProperties,
-    ) -> int | None:
-        """Write `data` as one file (pyarrow) and commit it: appended, or replacing the files of
-        round `partition`. The store commits it itself as the version after the one it read
-        (`_live`'s, else `target`'s), which then stays behind; if another writer took that version,
-        deltalake commits it from the version read (its conflict checks, retries and app
-        transactions), and `target` is left at the latest version. Returns the commit's version
-        (None if deltalake's cannot be read back: logged)."""
-        folder, partitioned = local_folder(target), table in PARTITIONED
-        live = self._live.pop(table, None) or LiveFiles.of(target)
-        add = write_file(folder, data, partition, partitioned=partitioned)
-        read_version = target.version() if live is None else live.version
-        if live is not None:  # every file in the table's folder: the store can name those it removes
-            removed = [] if predicate is None else live.of_partition(str(partition))
-            mode = {"mode": "Append" if predicate is None else "Overwrite"}
-            operation = {**mode, "partitionBy": json.dumps([PARTITION] if partitioned else [])}
-            txns = [(t.app_id, t.version) for t in commit.app_transactions or ()]
-            if delta_log.commit(folder, live, add, removed, txns, operation, commit.custom_metadata or {}):
-                self._live[table] = live.after(add, removed)
-                return live.version + 1
-        if target.version() != read_version:  # behind the store's own commits: to the version read
-            target.load_as_version(read_version)
-        target.create_write_transaction(
-            [add],
-            "append" if predicate is None else "overwrite",
-            target.schema(),
-            [PARTITION] if partitioned else None,
-            None if predicate is None else [(PARTITION, "=", str(partition))],
-            commit_properties=commit,
-            post_commithook_properties=NO_HOOKS,
-        )
-        try:  # the commit has landed: what fails from here is not a failed write
-            target.update_incremental()
-            return commit_version(folder, add.path, read_version, target.version())
-        except (DeltaError, OSError, RuntimeError) as e:  # the next use catches the snapshot up
-            log.warning("table %r: %s committed, its version unknown: %s", table, add.path, _one_line(e))
-            return None
-
-    def _checkpoint(self, table: str, dt: DeltaTable, version: int, catch_up: bool = False) -> None:
-        """After a commit at `version` (`dt` at it or later, or behind it by own commits if
-        `catch_up`): a log checkpoint every CHECKPOINT_INTERVAL versions, best effort. The commit has
-        landed whatever happens here: a checkpoint that cannot be written (no space, storage
-        refused) is logged, never reported as a failed write."""
+    def _checkpoint(self, table: str, dt: DeltaTable, version: int) -> None:
+        """After a commit at `version` (`dt` at it): a log checkpoint every CHECKPOINT_INTERVAL
+        versions, best effort. The commit has landed whatever happens here: a checkpoint that
+        cannot be written (no space, storage refused) is logged, never reported as a failed write."""
         if version % CHECKPOINT_INTERVAL:
             return
         try:
-            if catch_up:
-                dt.update_incremental()
             dt.create_checkpoint()
         except (DeltaError, OSError) as e:
             log.warning("table %r: the log checkpoint at version %d failed: %s", table, version, e)
@@ -449,40 +358,18 @@ class DeltaStore:
 
     def read(self, table: str, round_: int | None = None, version: int | None = None) -> pa.Table:
         """Rows of `table` (optionally one round, at a pinned version); empty if it doesn't exist.
-        A plain table (Delta reader protocol 1: no deletion vectors, no column mapping) in a local
-        folder is read as the parquet files its log lists, with pyarrow; any other through
-        DataFusion. Not with pyarrow's dataset scan of the Delta table: that can abort the
-        interpreter at exit (its thread pool calling back into deltalake's Python filesystem).
-        """
+        Read through DataFusion, whatever the table's protocol or storage."""
         with self._snapshot(table, version) as dt:
             if dt is None:
                 return TABLES[table].empty_table()
-            live = self._live.get(table) if version is None else None
-            self._seen(self.versions_read, table, live.version if live else dt.version())
+            self._seen(self.versions_read, table, dt.version())
             with self._reading(table):  # the log's per-file stats are parsed only now
-                if self._plain(dt) and (live := live or LiveFiles.of(dt)) is not None:
-                    partitioned = PARTITION in dt.metadata().partition_columns
-                    files = live.data_files(local_folder(dt), partitioned, round_)
-                else:
-                    files = None
-                parts = [_read_sql(dt, round_)] if files is None else []
-        try:  # the files are read with the snapshot free for other threads
-            with self._reading(table):
-                parts += [read_file(f, round_) for f in files or ()]
-        except StorageError:
-            self._snapshots.pop(table, None)
-            raise
-        schema = TABLES[table]
-        return pa.concat_tables([_as_schema(p, schema) for p in parts]) if parts else schema.empty_table()
+                data = _read_sql(dt, round_)
+        return _as_schema(data, TABLES[table])
 
     @property
     def _local(self) -> bool:
         return "://" not in self.root or self.root.startswith("file://")
-
-    def _plain(self, dt: DeltaTable) -> bool:
-        """Whether `dt`'s files are all there is to read: a local table of reader protocol 1."""
-        protocol = dt.protocol()
-        return self._local and protocol.min_reader_version == 1 and not protocol.reader_features
 
     def query(self, sql: str, tables: Sequence[str], versions: Mapping[str, int] | None = None) -> pa.Table:
         """Run DataFusion SQL over the named tables (each registered under its own name, at its
