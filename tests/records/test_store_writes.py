@@ -206,7 +206,8 @@ def test_timestamps_at_the_ends_of_the_calendar_are_written_with_bounds_a_reader
     assert sorted(r["feedback_id"] for r in got) == ["edge1", "edge2"] and {
         r["received_at"] for r in got
     } == {when}
-    assert sorted(r["received_at"] for r in store.read("landing_feedback").to_pylist()) == sorted([when] * 3 + [NOW])
+    stored = [r["received_at"] for r in store.read("landing_feedback").to_pylist()]
+    assert sorted(stored) == sorted([when] * 3 + [NOW])
 
 
 def test_a_zero_s_sign_is_read_as_written(tmp_path):
