@@ -65,8 +65,9 @@ def fail_dead(instance: DagsterInstance, holders: Mapping[tuple[str, str], Holde
     messages = []
     for run_id, held in named.items():
         experiment, key, last = max(held, key=lambda h: h[2].since)  # where it was when it died
-        pids = {h.pid for _, _, h in held} | _engine_pids(instance, run_id)
-        if not all(last._replace(pid=pid).gone() for pid in pids):
+        if any(_may_run(last, h.pid) for _, _, h in held):
+            continue
+        if any(_may_run(last, pid) for pid in _engine_pids(instance, run_id)):  # the run's own process
             continue
         run = instance.get_run_by_id(run_id)
         if run is None or run.status != DagsterRunStatus.STARTED:  # it ended by itself meanwhile
@@ -81,6 +82,11 @@ def fail_dead(instance: DagsterInstance, holders: Mapping[tuple[str, str], Holde
         instance.report_run_failed(run, message)
         messages.append(message)
     return messages
+
+
+def _may_run(holder: Holder, pid: int) -> bool:
+    """Whether process `pid` on the holder's host may still run (another host cannot tell)."""
+    return not holder._replace(pid=pid).gone()
 
 
 def _engine_pids(instance: DagsterInstance, run_id: str) -> set[int]:
