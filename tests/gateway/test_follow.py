@@ -12,6 +12,8 @@ from prodrl_pipeline.artifacts import Artifacts
 from prodrl_pipeline.engine.vllm_server import weight_label
 from prodrl_pipeline.gateway.__main__ import embedded_loader, parser
 from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower
+from prodrl_pipeline.gateway.serving import GatewayConfig, Serving
+from prodrl_pipeline.gateway.sessions import SessionIndex
 from prodrl_pipeline.model import build_model
 from prodrl_pipeline.quant.nvfp4 import export_deployment
 from prodrl_pipeline.records.registry import register_deployment
@@ -120,6 +122,8 @@ def test_the_follower_reloads_the_live_deployment_when_it_is_re_exported(tmp_pat
         assert deployments.current.path == live["path"] and deployments.current is not first
         assert deployments.ids() == ["r1", "r1"] and deployments.switches == 1  # the old export drains
         assert deployments.acquire(None, pinned="r1") is deployments.current  # its trajectories move on
+        serving = Serving(GatewayConfig(), deployments, tokenizer, None, SessionIndex(60))
+        assert serving.names() == ["r1", "live"]  # what /v1/models lists: the id once
         _register(root, tokenizer, "r2", seed=13)  # another row changes, live's export does not
         assert follower.check() is None and deployments.switches == 1 and deployments.load_failures == 0
     finally:
