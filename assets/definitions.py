@@ -8,10 +8,17 @@ from assets.advantages import advantages
 from assets.base_model import base_model
 from assets.checkpoint import checkpoint
 from assets.checks import CHECKS
+from assets.dead_runs import dead_run_sensor
 from assets.deployment import deployment
 from assets.eval_report import eval_report
 from assets.jobs import base_job, round_job
-from assets.operations import eval_live_job, eval_live_schedule, maintenance_job, maintenance_schedule
+from assets.operations import (
+    cleanup_job,
+    eval_live_job,
+    eval_live_schedule,
+    maintenance_job,
+    maintenance_schedule,
+)
 from assets.sensors import round_sensor
 from assets.study_report import study_report
 from assets.trajectories import trajectories
@@ -23,11 +30,12 @@ ASSETS = [base_model, *ROUND_ASSETS, *CHECKS]
 """Everything `materialize` needs to run a round with its asset checks."""
 
 settings = settings_from_environment()  # PRODRL_SETTINGS (resources/settings.py), else the lab
+interval = settings["sensor"].minimum_interval_seconds
 defs = Definitions(
     assets=[base_model, *ROUND_ASSETS, study_report],
     asset_checks=CHECKS,
-    jobs=[base_job, round_job, maintenance_job, eval_live_job],
-    sensors=[round_sensor(settings["sensor"].minimum_interval_seconds)],
+    jobs=[base_job, round_job, maintenance_job, eval_live_job, cleanup_job],
+    sensors=[round_sensor(interval), dead_run_sensor(interval)],
     schedules=[maintenance_schedule, eval_live_schedule],
     resources={name: settings[name] for name in RESOURCES},
 )

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import math
-import os
 import re
-import socket
 from collections.abc import Callable
 from contextlib import ExitStack
-from datetime import UTC, datetime
 
 from dagster import (
     DynamicPartitionsDefinition,
@@ -37,6 +34,11 @@ def round_number(key: str) -> int:
     return int(match.group(1))
 
 
+def lock_owner(run_id: str) -> str:
+    """How a run names itself in the round locks it takes."""
+    return f"run {run_id}"
+
+
 def ordered_keys(context) -> list[str]:
     """The run's round partitions in round order (a single-run backfill hands an asset several)."""
     return sorted(context.partition_keys, key=round_number)
@@ -53,15 +55,15 @@ def each_round(
     round for the call (`StoreResource.round_lock`), merged into one result. A round another run of
     the experiment is writing fails the step at once, before that round is written, with a message
     naming that run."""
-    holder = (
-        f"run {context.run.run_id} (step {context.op_def.name}, pid {os.getpid()} on "
-        f"{socket.gethostname()}, since {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC)"
-    )
     results = []
     for key in ordered_keys(context):
         with ExitStack() as held:
             try:
-                held.enter_context(store.round_lock(experiment, key, holder))
+                held.enter_context(
+                    store.round_lock(
+                        experiment, key, lock_owner(context.run.run_id), f"step {context.op_def.name}"
+                    )
+                )
             except Busy as e:
                 raise Failure(
                     description=f"round {key} of {experiment} is being written by {e}. This run stops "

@@ -1,9 +1,10 @@
 """The round sensor: start the next round when the schedule allows it and, in production, enough
-scored traffic of the live deployment has landed."""
+scored traffic of the live deployment has landed; run a round again whose run died."""
 
 from dagster import (
     AddDynamicPartitionsRequest,
     AssetKey,
+    DagsterRun,
     DagsterRunStatus,
     DefaultSensorStatus,
     RunRequest,
@@ -15,12 +16,15 @@ from dagster import (
     sensor,
 )
 
+from assets.dead_runs import DIED_TAG
 from assets.jobs import round_job
 from assets.partitions import round_key, round_number, rounds
 from prodrl_pipeline.records.snapshot import LANDING, count_available
-from prodrl_pipeline.rounds import DEPLOYED, TRAFFIC_TAKEN, start_blocker
+from prodrl_pipeline.rounds import DEPLOYED, TRAFFIC_TAKEN, runs_again, start_blocker
 from resources.lab import LabResource
 from resources.store import StoreResource
+
+ENDED_BADLY = (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
 
 
 def round_sensor(minimum_interval_seconds: int = 30) -> SensorDefinition:
@@ -39,15 +43,30 @@ def next_round(context: SensorEvaluationContext, store: StoreResource, lab: LabR
     round k-1 is deployed) and, in production, once S*B scored trajectories served by the live
     deployment and not taken by a round have landed. The cursor is the landing tables' versions
     and live deployment counted (nothing new skips the query); the run key is the partition, so a
-    re-evaluated tick never launches twice."""
+    re-evaluated tick never launches twice. Before that, a round whose newest run died
+    (`dead_run_sensor` marked it) is run again with that run's config (`rounds.runs_again`; run key
+    `<partition>-after-<run id>`: once per death)."""
     keys = sorted(context.instance.get_dynamic_partitions(rounds.name), key=round_number)
     latest = round_number(keys[-1]) if keys else 0
     done: dict[int, set[str]] = {}
     for asset in (TRAFFIC_TAKEN, DEPLOYED):
         for key in context.instance.get_materialized_partitions(AssetKey(asset)):
             done.setdefault(round_number(key), set()).add(asset)
-    failed = [k for k in (latest - 1, latest) if k > 0 and _last_run_failed(context, round_key(k))]
-    if blocker := start_blocker(lab.schedule, latest, done, failed):
+    last = {k: _last_run(context, round_key(k)) for k in (latest - 1, latest) if k > 0}
+    ended = {k: r for k, r in last.items() if r and r.status in ENDED_BADLY}
+    died = {k: r for k, r in ended.items() if DIED_TAG in r.tags}
+    if again := runs_again({k: _deaths(context, round_key(k)) for k in died}, done):
+        return SensorResult(
+            run_requests=[
+                RunRequest(
+                    run_key=f"{round_key(k)}-after-{died[k].run_id}",
+                    partition_key=round_key(k),
+                    run_config=died[k].run_config,
+                )
+                for k in again
+            ]
+        )
+    if blocker := start_blocker(lab.schedule, latest, done, list(ended)):
         return SkipReason(blocker)
     tables = store.tables()
     live = tables.live_deployment()
@@ -79,8 +98,14 @@ def next_round(context: SensorEvaluationContext, store: StoreResource, lab: LabR
     )
 
 
-def _last_run_failed(context: SensorEvaluationContext, key: str) -> bool:
-    runs = context.instance.get_runs(
-        RunsFilter(job_name=round_job.name, tags={"dagster/partition": key}), limit=1
-    )
-    return bool(runs) and runs[0].status in (DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
+def _last_run(context: SensorEvaluationContext, key: str) -> DagsterRun | None:
+    runs = context.instance.get_runs(_round_runs(key), limit=1)
+    return runs[0] if runs else None
+
+
+def _deaths(context: SensorEvaluationContext, key: str) -> int:
+    return sum(DIED_TAG in r.tags for r in context.instance.get_runs(_round_runs(key)))
+
+
+def _round_runs(key: str) -> RunsFilter:
+    return RunsFilter(job_name=round_job.name, tags={"dagster/partition": key})

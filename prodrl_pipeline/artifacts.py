@@ -107,7 +107,7 @@ class Artifacts:
                 files = json.loads(f.read())["files"]
         except (FileNotFoundError, OSError) as e:
             raise FileNotFoundError(f"{uri}: no such folder, or its upload never completed") from e
-        folder = self.cache / hashlib.sha256(uri.encode()).hexdigest()[:24]
+        folder = self.cache_folder(uri)
         if (folder / COMPLETE).exists():
             return folder
         self.cache.mkdir(parents=True, exist_ok=True)
@@ -131,6 +131,17 @@ class Artifacts:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return folder
+
+    def cache_folder(self, uri: str) -> Path:
+        """Where `local` keeps its copy of the S3 folder `uri` (downloads in progress are its
+        siblings `<name>.<random>`)."""
+        return self.cache / hashlib.sha256(uri.encode()).hexdigest()[:24]
+
+    def filesystem(self) -> tuple[fs.FileSystem, str]:
+        """pyarrow's filesystem for the root, and the root's path in it (S3: `bucket/prefix`)."""
+        if self._s3 is None:
+            return fs.LocalFileSystem(), str(Path(self.root).absolute())
+        return self._s3, self.root.removeprefix(S3)
 
     def _client(self) -> fs.S3FileSystem:
         return self._s3 or s3_filesystem(self.storage_options)

@@ -32,7 +32,7 @@ def start_blocker(
     """Why round `latest`+1 may not start yet (None: it may). `latest` is the newest round started
     (0 when none); `done[k]` holds the per-round assets materialized for round k; `failed` the
     rounds whose newest run failed or was cancelled (a failed round is re-run by hand: no later
-    round starts past it)."""
+    round starts past it; one whose run died is run again first, `runs_again`)."""
     if latest == 0:
         return None
     stuck = [k for k in (latest - 1, latest) if k in failed and DEPLOYED not in done.get(k, set())]
@@ -45,6 +45,18 @@ def start_blocker(
     if latest > 1 and DEPLOYED not in done.get(latest - 1, set()):
         return f"round {latest - 1} is not deployed yet"
     return None
+
+
+MAX_DEATHS = 3
+"""A round whose runs died this many times is re-run by an operator, not by the sensor."""
+
+
+def runs_again(deaths: Mapping[int, int], done: Mapping[int, set[str]]) -> list[int]:
+    """The rounds the sensor runs again now: those whose newest run died (its process gone: killed,
+    its machine lost; no fault of the round) before the round was deployed. `deaths[k]` counts the
+    runs of round k that died; from MAX_DEATHS on the round waits for an operator, as a failed one
+    does."""
+    return sorted(k for k, n in deaths.items() if DEPLOYED not in done.get(k, set()) and n < MAX_DEATHS)
 
 
 def traffic_deployment(

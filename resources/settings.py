@@ -8,7 +8,7 @@ edited. Unset: the embedded lab defaults.
       gate_margin: 0.01
     store:                    # any StoreResource field
       root: /srv/prodrl
-    sensor:                   # the round sensor
+    sensor:                   # the round sensor and the dead-run sensor
       minimum_interval_seconds: 30
 """
 
@@ -29,7 +29,7 @@ SETTINGS_VARIABLE = "PRODRL_SETTINGS"
 
 
 class SensorSettings(BaseModel):
-    """How often the daemon evaluates `round_sensor`."""
+    """How often the daemon evaluates `round_sensor` and `dead_run_sensor`."""
 
     model_config = ConfigDict(extra="forbid")
     minimum_interval_seconds: int = Field(30, ge=1)

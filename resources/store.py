@@ -8,7 +8,7 @@ from pathlib import Path
 from dagster import ConfigurableResource
 
 from prodrl_pipeline.artifacts import Artifacts
-from prodrl_pipeline.locks import holding
+from prodrl_pipeline.locks import Holder, holder, holding
 from prodrl_pipeline.records.store import DeltaStore
 
 
@@ -35,9 +35,14 @@ class StoreResource(ConfigurableResource):
     def artifacts(self) -> Artifacts:
         return Artifacts(self.artifacts_uri or self.root, self.storage_options, Path(self.root, "cache"))
 
-    def round_lock(self, experiment: str, key: str, holder: str) -> AbstractContextManager[None]:
+    def round_lock(self, experiment: str, key: str, owner: str, task: str) -> AbstractContextManager[None]:
         """Exclusive hold on round `key` of `experiment` for one step of one run, or `locks.Busy`
         naming its holder (`<root>/locks/<experiment>/<key>.lock`): two runs of one round never write
         it at once, while a counterfactual replay (another experiment) runs beside it. It guards the
         runs that share this machine's root; across machines the run queue's per-partition limit does."""
-        return holding(Path(self.root, "locks", experiment, f"{key}.lock"), holder)
+        return holding(Path(self.root, "locks", experiment, f"{key}.lock"), owner, task)
+
+    def round_holders(self) -> dict[tuple[str, str], Holder]:
+        """(experiment, round key) -> the process that holds that round's lock, or held it last."""
+        files = sorted(Path(self.root, "locks").glob("*/*.lock"))
+        return {(f.parent.name, f.stem): h for f in files if (h := holder(f)) is not None}

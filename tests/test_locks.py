@@ -1,6 +1,9 @@
 """Locks between processes: a round held by one run is refused to another with its holder named, and
-released when the holder dies; a folder replaced whole is never seen half swapped by a load."""
+released when the holder dies, which its record then shows; a folder replaced whole is never seen
+half swapped by a load."""
 
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -8,7 +11,7 @@ import threading
 import pytest
 
 from prodrl_pipeline.folders import replacing
-from prodrl_pipeline.locks import Busy, folder_lock, holding
+from prodrl_pipeline.locks import Busy, folder_lock, holder, holding
 from prodrl_pipeline.rl.checkpoint import load_checkpoint, save_checkpoint
 from tests.conftest import build_tiny
 
@@ -16,7 +19,7 @@ HOLD = """
 import sys
 from pathlib import Path
 from prodrl_pipeline.locks import holding
-with holding(Path(sys.argv[1]), "run child (step checkpoint)"):
+with holding(Path(sys.argv[1]), "run child", "step checkpoint"):
     print("held", flush=True)
     sys.stdin.read()  # holds until the parent closes stdin or kills it
 """
@@ -27,15 +30,24 @@ def test_a_held_lock_is_refused_naming_its_holder_and_released_when_the_holder_i
     child = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
+    here = socket.gethostname()
     try:
         assert child.stdout.readline().strip() == "held"
-        with pytest.raises(Busy, match=r"^run child \(step checkpoint\)$"), holding(lock, "run parent"):
+        busy = rf"^run child \(step checkpoint, pid {child.pid} on {here}, since [0-9-]+ [0-9:]+ UTC\)$"
+        with pytest.raises(Busy, match=busy), holding(lock, "run parent", "step advantages"):
             pass
+        assert holder(lock).gone() is False
         child.kill()  # SIGKILL: no clean-up runs in the holder
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it has ended, not yet reaped
+        assert holder(lock).gone() is True  # a zombie has ended
         child.wait()
-        with holding(lock, "run parent"):
-            assert lock.read_text() == "run parent"  # the holder is named while it holds
-        assert lock.read_text() == ""  # and no longer once it let go
+        killed = holder(lock)
+        assert (killed.owner, killed.pid, killed.released) == ("run child", child.pid, False)  # never let go
+        assert killed.gone()
+        assert killed._replace(host="another-machine").gone() is None  # only its own host can tell
+        with holding(lock, "run parent", "step advantages"):
+            assert holder(lock)[:4] == ("run parent", "step advantages", os.getpid(), here)
+        assert holder(lock).released and holder(lock).owner == "run parent"  # the last holder stays named
     finally:
         child.kill()
         child.wait()
@@ -43,10 +55,12 @@ def test_a_held_lock_is_refused_naming_its_holder_and_released_when_the_holder_i
 
 def test_a_second_hold_in_the_same_process_is_refused_too(tmp_path):
     lock = tmp_path / "r.lock"
-    with holding(lock, "first"), pytest.raises(Busy, match="^first$"), holding(lock, "second"):
+    refused = pytest.raises(Busy, match=r"^first \(a, pid ")
+    with holding(lock, "first", "a"), refused, holding(lock, "second", "b"):
         pass
-    with holding(lock, "third"):  # released by the first on exit
+    with holding(lock, "third", "c"):  # released by the first on exit
         pass
+    assert holder(tmp_path / "never.lock") is None
 
 
 def test_a_swap_waits_for_a_load_holding_the_folder_shared(tmp_path):

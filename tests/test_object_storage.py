@@ -3,66 +3,25 @@ server (moto, started by the test on loopback), and the live pointer's compare-a
 (deltalake commits with conditional writes: no lock service)."""
 
 import json
-import subprocess
-import sys
-import time
 
-import boto3
 import pytest
-from botocore.exceptions import EndpointConnectionError
 from dagster import AssetKey, instance_for_test
 
 from prodrl_pipeline.artifacts import Artifacts
-from prodrl_pipeline.gateway.process import free_port
 from prodrl_pipeline.records.registry import BASE, lookup
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import META_FILE
 from resources.lab import LabResource
 from resources.store import StoreResource
 from tests.postgres import postgres_server
+from tests.s3 import BUCKET, s3_client, s3_server
 from tests.test_pipeline import TINY, run_rounds
-
-BUCKET = "prodrl-test"
-
-
-def _client(options: dict):
-    return boto3.client(
-        "s3",
-        endpoint_url=options["AWS_ENDPOINT_URL"],
-        aws_access_key_id=options["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=options["AWS_SECRET_ACCESS_KEY"],
-        region_name=options["AWS_REGION"],
-    )
 
 
 @pytest.fixture
 def s3(tmp_path):
-    """moto's S3 server in its own process (in this one it would wait on the GIL that deltalake
-    holds while it waits for the server's reply)."""
-    port = free_port()
-    with (tmp_path / "moto.log").open("w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
-        )
-    options = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_REGION": "us-east-1",
-        "AWS_ALLOW_HTTP": "true",
-    }
-    client = _client(options)
-    deadline = time.monotonic() + 30
-    while True:  # readiness probe
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            break
-        except EndpointConnectionError:
-            assert time.monotonic() < deadline and server.poll() is None, "moto's server did not start"
-            time.sleep(0.1)
-    yield options
-    server.terminate()
-    server.wait(timeout=30)
+    with s3_server(tmp_path / "moto.log") as options:
+        yield options
 
 
 def test_a_round_runs_on_s3_and_postgres_with_torchrun_training(tmp_path, s3):
@@ -93,7 +52,7 @@ def test_a_round_runs_on_s3_and_postgres_with_torchrun_training(tmp_path, s3):
     dep = lookup(tables, "deployments", "deployment_id", "main-r000001")
     assert ckpt["path"].startswith(f"s3://{BUCKET}/artifacts/checkpoints/main/r000001/")
     assert dep["path"].startswith(f"s3://{BUCKET}/artifacts/deployments/main/r000001/")
-    listed = _client(s3).list_objects_v2(Bucket=BUCKET, Prefix=dep["path"].removeprefix(f"s3://{BUCKET}/"))
+    listed = s3_client(s3).list_objects_v2(Bucket=BUCKET, Prefix=dep["path"].removeprefix(f"s3://{BUCKET}/"))
     assert {o["Key"].rsplit("/", 1)[1] for o in listed["Contents"]} >= {
         "model.safetensors",
         "hf_quant_config.json",
@@ -122,7 +81,7 @@ def test_artifacts_are_immutable_versions_readable_once_complete(tmp_path, s3):
     with pytest.raises(RuntimeError, match="interrupted"), artifacts.writing(uri) as upload:
         (upload.folder / "weights").write_text("partial")
         raise RuntimeError("interrupted")
-    assert "Contents" not in _client(s3).list_objects_v2(Bucket=BUCKET, Prefix="a/")  # nothing uploaded
+    assert "Contents" not in s3_client(s3).list_objects_v2(Bucket=BUCKET, Prefix="a/")  # nothing uploaded
     with artifacts.writing(uri) as first:
         (first.folder / "weights").write_text("v1")
         (first.folder / "sub").mkdir()
@@ -137,7 +96,7 @@ def test_artifacts_are_immutable_versions_readable_once_complete(tmp_path, s3):
     assert (
         Artifacts(f"s3://{BUCKET}/a", s3, tmp_path / "fresh").local(first.uri) / "weights"
     ).read_text() == "v1"
-    client, key = _client(s3), second.uri.removeprefix(f"s3://{BUCKET}/")
+    client, key = s3_client(s3), second.uri.removeprefix(f"s3://{BUCKET}/")
     client.delete_object(Bucket=BUCKET, Key=f"{key}/.manifest.json")  # as if the upload had stopped there
     with pytest.raises(FileNotFoundError, match="never completed"):
         Artifacts(f"s3://{BUCKET}/a", s3, tmp_path / "other").local(second.uri)

@@ -51,3 +51,6 @@ def test_the_lab_instance_config_has_retries_the_trainer_pool_and_one_run_per_ro
         limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
         per_round = {"key": "dagster/partition", "value": {"applyLimitPerUniqueValue": True}, "limit": 1}
         assert per_round in limits  # queued runs of one round partition run one at a time
+        # the daemon frees the pool slots a run kept once it is failed (a killed run's: dead_run_sensor)
+        assert instance.run_monitoring_enabled
+        assert instance.run_monitoring_settings["free_slots_after_run_end_seconds"] > 0

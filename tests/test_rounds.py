@@ -2,7 +2,14 @@
 
 import pytest
 
-from prodrl_pipeline.rounds import goes_live, parent_checkpoint, start_blocker, traffic_deployment
+from prodrl_pipeline.rounds import (
+    MAX_DEATHS,
+    goes_live,
+    parent_checkpoint,
+    runs_again,
+    start_blocker,
+    traffic_deployment,
+)
 
 BASE_ROW = {"deployment_id": "base", "round": 0, "checkpoint_id": "base"}
 
@@ -27,6 +34,15 @@ def test_a_failed_round_stops_later_rounds_until_it_is_re_run():
     assert "round 2's last run failed" in start_blocker("async1", 3, {**done, 3: {"advantages"}}, failed=[2])
     # a failed round that was deployed anyway (its eval_report failed) does not block
     assert start_blocker("sync", 2, {1: {"deployment"}, 2: {"deployment"}}, failed=[1, 2]) is None
+
+
+def test_a_round_whose_run_died_runs_again_until_it_died_too_often_or_was_deployed():
+    done = {1: {"advantages", "deployment"}, 2: {"advantages"}}
+    assert runs_again({2: 1}, done) == [2]
+    assert runs_again({1: 1, 2: MAX_DEATHS - 1}, done) == [2]  # round 1 was deployed before its run died
+    assert runs_again({2: MAX_DEATHS}, done) == []  # an operator looks at it now
+    assert runs_again({2: 1, 3: 1}, {**done, 3: set()}) == [2, 3]  # async1: both rounds in flight died
+    assert runs_again({}, done) == []
 
 
 def test_async1_overlaps_collection_of_round_k_plus_1_with_training_of_round_k():

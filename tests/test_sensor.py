@@ -13,7 +13,9 @@ from dagster import (
 from dagster._core.test_utils import create_run_for_test
 
 from assets.base_model import base_model
+from assets.dead_runs import DIED_TAG
 from assets.sensors import round_sensor
+from prodrl_pipeline.rounds import MAX_DEATHS
 from tests.test_pipeline import _resources
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
@@ -147,3 +149,29 @@ def test_async1_starts_the_next_collection_while_the_previous_round_trains(tmp_p
         )
         result, _ = _tick(instance, resources, cursor)
         assert "round 1's last run failed" in result.skip_message
+
+
+def test_a_round_whose_run_died_runs_again_with_that_runs_config_once_per_death(tmp_path):
+    resources = _resources(tmp_path, source="production", steps=2, batch_size=4)
+    config = {"ops": {"trajectories": {"config": {"deployment_id": "base"}}}}
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        instance.add_dynamic_partitions("rounds", ["r000001"])
+
+        def dies() -> str:  # a run of round 1 that dead_run_sensor marked failed
+            tags = {"dagster/partition": "r000001", DIED_TAG: "pid 4242 on trainer-7"}
+            return create_run_for_test(
+                instance, "round_job", run_config=config, status=DagsterRunStatus.FAILURE, tags=tags
+            ).run_id
+
+        died = dies()
+        result, _ = _tick(instance, resources, None)  # no traffic landed: the round runs again anyway
+        (request,) = result.run_requests
+        assert (request.partition_key, request.run_key) == ("r000001", f"r000001-after-{died}")
+        assert request.run_config == config  # the traffic it counted, not what is live now
+        assert not result.dynamic_partitions_requests
+
+        for _ in range(MAX_DEATHS - 1):
+            died = dies()
+        result, _ = _tick(instance, resources, None)
+        assert "round 1's last run failed" in result.skip_message  # died too often: an operator looks

@@ -61,7 +61,9 @@ def embedded_loader(
                 f"{vocab} and the tokenizer's {len(tokenizer)}"
             )
         batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
-        loaded = Loaded(row["deployment_id"], batcher, engine.model.config.max_position_embeddings)
+        loaded = Loaded(
+            row["deployment_id"], batcher, engine.model.config.max_position_embeddings, row["path"]
+        )
         try:
             smoke_check(loaded, tokenizer.eos_token_id)
         except Exception:
@@ -91,7 +93,7 @@ def vllm_loader(
             weight_version=weight_label(row) if args.vllm_follow else None,
         )
         batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
-        loaded = Loaded(row["deployment_id"], batcher, config.max_position_embeddings)
+        loaded = Loaded(row["deployment_id"], batcher, config.max_position_embeddings, row["path"])
         if args.vllm_follow:
             try:
                 smoke_check(loaded, tokenizer.eos_token_id)

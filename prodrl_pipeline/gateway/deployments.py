@@ -4,9 +4,10 @@ Contract (docs/gateway.md, "Following the live pointer"):
 - New trajectories go to the current deployment. A trajectory keeps the deployment that served
   its first call while that deployment is loaded, so its calls come from one policy; a request
   whose `model` names a loaded deployment is served by that one.
-- When the live pointer moves, the new deployment is loaded beside the current one, off the
-  serving path, and must pass a one-token smoke generation (finite log-probs). It becomes current
-  between two requests. The old one finishes every call already given to it and serves the
+- When the live pointer moves, or the live deployment is re-exported (same id, another path: a
+  re-run of its round), the new export is loaded beside the current one, off the serving path, and
+  must pass a one-token smoke generation (finite log-probs). It becomes current between two
+  requests. The old one finishes every call already given to it and serves the
   trajectories it started for `drain_seconds` more; then, once no call holds it, it is closed.
 - Every record names the deployment that produced it (the one the call was leased to).
 - A load that fails leaves the current deployment serving; the error is logged, counted on
@@ -32,11 +33,13 @@ log = logging.getLogger("prodrl.gateway")
 
 @dataclass(eq=False)
 class Loaded:
-    """One deployment loaded in the gateway: its id, its engine and its context length."""
+    """One deployment loaded in the gateway: its id, its engine, its context length and the export
+    it was loaded from (the registry row's path)."""
 
     deployment_id: str
     engine: BatchingEngine
     max_positions: int
+    path: str = ""
     retire_at: float | None = None
     """Monotonic time after which it takes no new trajectories' calls (None while current)."""
     leases: int = 0
@@ -97,12 +100,12 @@ class Deployments:
         with self._lock:
             return self._promote(new)
 
-    def revive(self, deployment_id: str) -> Loaded | None:
-        """Make the draining deployment `deployment_id` current again (live moved back to it before
-        it was closed); the previous current one drains. Returns the previous one, None if
-        `deployment_id` is not draining."""
+    def revive(self, deployment_id: str, path: str) -> Loaded | None:
+        """Make the draining deployment `deployment_id`, loaded from `path`, current again (live
+        moved back to it before it was closed); the previous current one drains. Returns the
+        previous one, None if that export is not draining."""
         with self._lock:
-            found = [d for d in self._draining if d.deployment_id == deployment_id]
+            found = [d for d in self._draining if (d.deployment_id, d.path) == (deployment_id, path)]
             if not found:
                 return None
             self._draining.remove(found[0])
@@ -143,9 +146,10 @@ class Deployments:
 
 
 class LiveFollower:
-    """A thread that polls the deployments registry every `poll_seconds` and, when the live
-    pointer names another deployment, loads it (`load`, a registry row -> Loaded, smoke-checked)
-    and switches to it; it also closes drained deployments."""
+    """A thread that polls the deployments registry every `poll_seconds` and, when the live row
+    names another deployment or another export of the current one (its path, and so its vLLM
+    label, changed), loads it (`load`, a registry row -> Loaded, smoke-checked) and switches to it;
+    it also closes drained deployments."""
 
     def __init__(
         self,
@@ -160,10 +164,11 @@ class LiveFollower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen: int | None = None  # registry version last acted on
-        self._failed: tuple[str, float] | None = None  # (deployment id, retry time)
+        self._failed: tuple[tuple[str, str], float] | None = None  # ((id, path), retry time)
 
     def check(self, now: float | None = None) -> str | None:
-        """One poll: switch to the live deployment if it changed. Returns the id switched to."""
+        """One poll: switch to the live deployment if it changed (its id or its export's path).
+        Returns the id switched to."""
         now = time.monotonic() if now is None else now
         self.deployments.retire(now)
         version = self.store.table("deployments").version()
@@ -172,28 +177,33 @@ class LiveFollower:
             return None
         live = self.store.live_deployment()
         self._seen = version
-        if live is None or live["deployment_id"] == self.deployments.current.deployment_id:
+        current = self.deployments.current
+        wanted = None if live is None else (live["deployment_id"], live["path"])
+        if wanted is None or wanted == (current.deployment_id, current.path):
             if self._failed:
                 self._failed = None
                 self.deployments.failed(None)
             return None
         target = live["deployment_id"]
-        if self._failed and self._failed[0] == target and now < self._failed[1]:
+        if self._failed and self._failed[0] == wanted and now < self._failed[1]:
             return None
-        if (old := self.deployments.revive(target)) is not None:
+        if (old := self.deployments.revive(*wanted)) is not None:
             log.info(
                 "live moved back to %s, still loaded: serving it again; %s drains", target, old.deployment_id
             )
             self._failed = None
             return target
-        log.info("live moved to %s: loading it beside %s", target, self.deployments.current.deployment_id)
+        if target == current.deployment_id:
+            log.info("live %s was re-exported (%s): loading it beside the old export", target, live["path"])
+        else:
+            log.info("live moved to %s: loading it beside %s", target, current.deployment_id)
         try:
             loaded = self.load(live)
         except Exception as e:  # noqa: BLE001 - any failure keeps the current deployment serving
             message = f"loading {target} failed: {type(e).__name__}: {e}"
             log.exception("%s; still serving %s", message, self.deployments.current.deployment_id)
             self.deployments.failed(message)
-            self._failed = (target, now + self.retry_seconds)
+            self._failed = (wanted, now + self.retry_seconds)
             return None
         self._failed = None
         old = self.deployments.switch(loaded)

@@ -87,8 +87,9 @@ class Serving:
         self.metrics = Metrics()
 
     def names(self) -> list[str]:
-        """What a request's `model` may name: loaded deployment ids, then the aliases."""
-        return [*self.deployments.ids(), *self.cfg.model_aliases]
+        """What a request's `model` may name: loaded deployment ids (once each: a re-exported one
+        drains beside its new export), then the aliases."""
+        return list(dict.fromkeys([*self.deployments.ids(), *self.cfg.model_aliases]))
 
     @contextlib.contextmanager
     def leased(self, tid: str, model: str | None) -> Iterator[Loaded]:

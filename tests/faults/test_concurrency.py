@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from assets.partitions import round_key
-from prodrl_pipeline.locks import holding
+from prodrl_pipeline.locks import holder, holding
 from prodrl_pipeline.records.store import DeltaStore
 from tests.faults.test_round_faults import _base, _child, _instance, _invariants, _round, _run_to_end
 
@@ -35,14 +35,15 @@ def _outcomes(home: Path) -> dict[str, list[str]]:
 def test_a_round_another_run_is_writing_fails_at_once_naming_it_and_runs_once_it_is_free(tmp_path):
     root, home = tmp_path / "root", tmp_path / "home"
     _base(root, home)
-    holder = "run 0f1e2d3c (step checkpoint, pid 4242 on trainer-7, since 2026-12-01 03:00:00 UTC)"
+    lock = root / "locks" / "main" / f"{round_key(1)}.lock"
     with _instance(home) as instance:
-        with holding(root / "locks" / "main" / f"{round_key(1)}.lock", holder):
+        with holding(lock, "run 0f1e2d3c", "step checkpoint"):
+            held = str(holder(lock))  # run 0f1e2d3c (step checkpoint, pid ... on ..., since ... UTC)
             blocked = _round(instance, root, 1)
         assert not blocked.success
         failures = _outcomes(home)[blocked.run_id]
         assert failures == [
-            f"round r000001 of main {BUSY} {holder[4:]}. This run stops here; re-run it once "
+            f"round r000001 of main {BUSY} {held[4:]}. This run stops here; re-run it once "
             "that run has ended (what is stored is kept, a re-run reuses it)"
         ]
         tables = DeltaStore(root / "tables")

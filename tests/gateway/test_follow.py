@@ -9,8 +9,11 @@ from pathlib import Path
 import httpx
 
 from prodrl_pipeline.artifacts import Artifacts
+from prodrl_pipeline.engine.vllm_server import weight_label
 from prodrl_pipeline.gateway.__main__ import embedded_loader, parser
 from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower
+from prodrl_pipeline.gateway.serving import GatewayConfig, Serving
+from prodrl_pipeline.gateway.sessions import SessionIndex
 from prodrl_pipeline.model import build_model
 from prodrl_pipeline.quant.nvfp4 import export_deployment
 from prodrl_pipeline.records.registry import register_deployment
@@ -21,10 +24,11 @@ from tests.gateway.conftest import SERVE_KEY, Gateway, make_root
 SERVE = {"Authorization": f"Bearer {SERVE_KEY}"}
 
 
-def _register(root: Path, tokenizer, name: str, seed: int, broken: bool = False) -> None:
-    """Export a tiny model (another seed: other weights) as deployment `name`; `broken`: its
-    weights file is truncated, as a failed copy would leave it."""
-    path = root / "deployments" / name
+def _register(root: Path, tokenizer, name: str, seed: int, broken: bool = False, folder: str = "") -> None:
+    """Export a tiny model (another seed: other weights) as deployment `name`, into
+    `deployments/<folder or name>`; `broken`: its weights file is truncated, as a failed copy would
+    leave it."""
+    path = root / "deployments" / (folder or name)
     export_deployment(
         build_model(dataclasses.replace(TINY, seed=seed), len(tokenizer), tokenizer.pad_token_id),
         path,
@@ -92,6 +96,36 @@ def test_the_follower_loads_beside_switches_drains_and_survives_a_failed_load(tm
         store.set_live("r1")  # the operator rolls live back: nothing to load
         assert follower.check(t0 + 44) is None and deployments.load_failures == 2
         assert deployments.last_error is None  # the failure no longer matters
+    finally:
+        deployments.close()
+
+
+def test_the_follower_reloads_the_live_deployment_when_it_is_re_exported(tmp_path, tokenizer):
+    """A re-run of the live round registers a new export under the same id (another path, so
+    another vLLM label): the follower loads it beside the old export and switches; a registry commit
+    that leaves the live row's export as it was loads nothing."""
+    root = make_root(tmp_path, tokenizer)
+    store = DeltaStore(root / "tables")
+    load = embedded_loader(parser().parse_args([]), tokenizer, Artifacts(str(root)))
+    _register(root, tokenizer, "r1", seed=11)
+    store.set_live("r1")
+    deployments = Deployments(load(store.live_deployment()), drain_seconds=10)
+    follower = LiveFollower(store, deployments, load)
+    try:
+        first = deployments.current
+        assert follower.check() is None  # what it serves is live
+        _register(root, tokenizer, "r1", seed=12, folder="r1-rerun")  # the round re-run: same id, live kept
+        live = store.live_deployment()
+        assert live["deployment_id"] == "r1" and live["path"] == str(root / "deployments" / "r1-rerun")
+        assert weight_label(live) != weight_label({"deployment_id": "r1", "path": first.path})
+        assert follower.check() == "r1"
+        assert deployments.current.path == live["path"] and deployments.current is not first
+        assert deployments.ids() == ["r1", "r1"] and deployments.switches == 1  # the old export drains
+        assert deployments.acquire(None, pinned="r1") is deployments.current  # its trajectories move on
+        serving = Serving(GatewayConfig(), deployments, tokenizer, None, SessionIndex(60))
+        assert serving.names() == ["r1", "live"]  # what /v1/models lists: the id once
+        _register(root, tokenizer, "r2", seed=13)  # another row changes, live's export does not
+        assert follower.check() is None and deployments.switches == 1 and deployments.load_failures == 0
     finally:
         deployments.close()
 
