@@ -57,7 +57,7 @@ def logprob_tolerance(logprobs, n_terms: int = TINY.hidden_size) -> float:
     """`rounding_tolerance` of float32 log-probs log p = z - logsumexp(z): the scale of those terms
     is that of the largest finite |log p| in `logprobs` (a distribution, or every value compared),
     and each logit z sums `n_terms` products (the tests' model: its hidden size)."""
-    values = torch.as_tensor(logprobs, dtype=torch.float64)
+    values = torch.as_tensor(logprobs).detach().double()
     finite = values[values.isfinite()]
     return rounding_tolerance(finite.abs().max() if finite.numel() else 0.0, n_terms)
 
