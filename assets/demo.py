@@ -29,7 +29,8 @@ from resources.settings import resources_from_environment
 WORKSPACE = "workspace.yaml"
 
 
-def main() -> None:
+def main() -> int:
+    """0 once the rounds ran and their table is printed; a failure exits 1 with its reason."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3, help="rounds to run (default 3)")
     args = parser.parse_args()
@@ -77,6 +78,7 @@ def main() -> None:
         f"\nheld-out greedy solve rate: base {gain.baseline_rate:.3f} -> round {last} {gain.rate:.3f}, "
         f"gain {gain.diff:+.3f} (95% CI {lo:+.3f} to {hi:+.3f}, {gain.n} paired puzzles)"
     )
+    return 0
 
 
 def refuse_if_busy(instance: DagsterInstance) -> None:
@@ -107,4 +109,4 @@ def first_round(instance: DagsterInstance) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -156,7 +157,8 @@ def report(instance: DagsterInstance, root: Path, seeds: Sequence[int], out: Pat
     assert materialize([study_report], instance=instance, run_config=run_config).success
 
 
-def main() -> None:
+def main() -> int:
+    """0 once the command is done; a failed round exits 1 with its reason (re-running resumes)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -172,11 +174,12 @@ def main() -> None:
     if args.command == "report":
         report(DagsterInstance.get(), args.root, seeds, args.out)
         print(f"wrote {args.out}; the same report is the `study_report` asset in the UI")
-        return
+        return 0
     hf_logging.disable_progress_bar()
     ran = run_study(DagsterInstance.get(), args.root, args.configs.split(","), seeds, args.rounds)
     print(f"study: {ran} rounds ran; `python -m assets.study report` writes {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

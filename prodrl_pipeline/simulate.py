@@ -20,6 +20,7 @@ import asyncio
 import ipaddress
 import os
 import random
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -218,7 +219,9 @@ def _progress(report: SimulationReport) -> None:
         print(f"  {report.episodes} episodes, {report.solved} solved, {report.calls} calls", flush=True)
 
 
-def main() -> None:
+def main() -> int:
+    """0 when every episode was played and every reward posted, else 1 (the errors are printed);
+    bad arguments exit 2."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL (loopback)")
     p.add_argument("--data", default="data", help="lab data folder (puzzles)")
@@ -260,7 +263,8 @@ def main() -> None:
     )
     for error in report.errors[:10]:
         print("  ", error)
+    return 1 if report.errors else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -35,15 +35,16 @@ def gateway_env(env: Mapping[str, str] = os.environ) -> tuple[list[str], dict[st
     return args, {k: v for k, v in extra.items() if k not in env}
 
 
-def main() -> None:
+def main() -> int:
+    """The gateway's exit status (`prodrl_pipeline.gateway.__main__.main`); a bad settings file exits 1."""
     try:
         implied, extra_env = gateway_env()
     except ValueError as e:
         raise SystemExit(str(e)) from e
     os.environ.update(extra_env)
     sys.argv = [sys.argv[0], *implied, *sys.argv[1:]]
-    gateway_main()
+    return gateway_main()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,3 +1,8 @@
+"""Fixtures and helpers shared by the tests. Every float tolerance is derived from the scale of
+what was computed and the precision it was computed in (`rounding_tolerance`), never read off one
+machine's rounding: the rule, and how to apply it, in tests/README.md."""
+
+import math
 import os
 import shutil
 import tempfile
@@ -38,6 +43,23 @@ def build_tiny(tokenizer):
 @pytest.fixture
 def tiny_model(tokenizer):
     return build_tiny(tokenizer)
+
+
+def rounding_tolerance(scale: float, n_terms: int = 1, dtype: torch.dtype = torch.float32) -> float:
+    """How far two computations of one float quantity may differ by rounding alone:
+    4 eps(dtype) sqrt(n_terms) scale, where `scale` is the magnitude of the terms it was computed
+    from (of a sum's terms, not of its result, which may cancel to ~0) and `n_terms` how many were
+    summed into it (tests/README.md)."""
+    return 4 * torch.finfo(dtype).eps * math.sqrt(n_terms) * float(scale)
+
+
+def logprob_tolerance(logprobs, n_terms: int = TINY.hidden_size) -> float:
+    """`rounding_tolerance` of float32 log-probs log p = z - logsumexp(z): the scale of those terms
+    is that of the largest finite |log p| in `logprobs` (a distribution, or every value compared),
+    and each logit z sums `n_terms` products (the tests' model: its hidden size)."""
+    values = torch.as_tensor(logprobs).detach().double()
+    finite = values[values.isfinite()]
+    return rounding_tolerance(finite.abs().max() if finite.numel() else 0.0, n_terms)
 
 
 SLOWEST_FIRST = (

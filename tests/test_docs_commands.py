@@ -54,6 +54,11 @@ EXECUTED: list[tuple[str, str, str]] = [
     (r"make test-slow", THIS, r'"make", "-s", "test-slow"'),
     (r"make clean", THIS, r'"clean"'),
     (r"python -m prodrl_pipeline\.gateway --help", THIS, r'"prodrl_pipeline\.gateway", "--help"'),
+    (
+        r"python -m prodrl_pipeline\.records --root \.prodrl",
+        "tests/test_clean_exits.py",
+        r'"prodrl_pipeline\.records"',
+    ),
     (r"pip install -e '\.\[(postgres|k8s)\]'", THIS, r'"pip", "install", "-e", f"\.\[\{extra\}\]"'),
     (r"make bench", THIS, r'"make", "-s", "bench"'),
     (r"python -m bench( --smoke)?", "tests/test_bench_smoke.py", r'"-m", "bench", "--smoke"'),

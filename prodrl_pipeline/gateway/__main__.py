@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -220,7 +221,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main() -> None:
+def main() -> int:
+    """0 once the server has shut down by itself; a start-up failure exits non-zero with its
+    reason; a stop by SIGINT or SIGTERM shuts down gracefully (the landing log committed), then ends
+    the process by that signal (uvicorn raises it again)."""
     args = parser().parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     uvicorn.run(
@@ -230,7 +234,8 @@ def main() -> None:
         log_level="warning",
         timeout_keep_alive=args.keep_alive,
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

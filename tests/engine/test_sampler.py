@@ -7,6 +7,7 @@ from prodrl_pipeline.engine.sampler import PREFILL_ROWS, TorchEngine, draw
 from prodrl_pipeline.envs.chat import render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
+from tests.conftest import logprob_tolerance
 
 # move tokens (ids from 1024) pushed up or banned, ordinary ones pushed up: a bias that matters
 BIAS = tuple((i, 4.0) for i in range(1024, 1224)) + ((1300, -100.0), (200, 6.0), (201, 50.0))
@@ -45,9 +46,10 @@ def test_recorded_logprobs_are_the_processed_distribution(
             ref = reference_mu(tiny_model, req.prompt_ids + out.token_ids[:t], params, allowed)
             kept = torch.isfinite(ref).nonzero().squeeze(1)
             assert out.support_size[t] == len(kept)
-            assert out.logprobs[t] == pytest.approx(float(ref[tok]), abs=2e-5)
+            rounding = logprob_tolerance(ref)  # engine (KV cache) vs a full forward pass, fp32
+            assert out.logprobs[t] == pytest.approx(float(ref[tok]), abs=rounding)
             head = ref.topk(min(20, len(kept)))
-            assert out.topk_logprobs[t].tolist() == pytest.approx(head.values.tolist(), abs=2e-5)
+            assert out.topk_logprobs[t].tolist() == pytest.approx(head.values.tolist(), abs=rounding)
             assert set(out.topk_ids[t].tolist()) == set(head.indices.tolist())  # the K largest
             if 20 < len(kept) < engine.vocab_size:
                 assert (
@@ -102,7 +104,7 @@ def test_prompts_prefilled_in_length_groups_each_decode_as_alone(tiny_model, tok
     for request, out in zip(requests, together, strict=True):
         alone = engine.generate([request], seed=1)[0]
         assert out.token_ids == alone.token_ids
-        assert out.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert out.logprobs == pytest.approx(alone.logprobs, abs=logprob_tolerance(alone.logprobs))
         assert [h.tolist() for h in out.topk_ids] == [h.tolist() for h in alone.topk_ids]
 
 
@@ -178,7 +180,9 @@ def test_requests_admitted_between_steps_decode_as_they_would_alone(tiny_model, 
     for r in (a, b, c):
         out = finished[id(r)][0]
         assert out.token_ids == alone[id(r)].token_ids
-        assert out.logprobs == pytest.approx(alone[id(r)].logprobs, abs=1e-5)
+        assert out.logprobs == pytest.approx(
+            alone[id(r)].logprobs, abs=logprob_tolerance(alone[id(r)].logprobs)
+        )
 
 
 def test_draw_inverts_each_rows_cdf_exactly():

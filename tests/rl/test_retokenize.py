@@ -9,6 +9,7 @@ from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.retokenize import retokenize_calls
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
+from tests.conftest import logprob_tolerance
 
 
 def _split_move(call: dict, tokenizer) -> dict:
@@ -77,6 +78,7 @@ def test_training_on_retokenized_calls_takes_unrecorded_positions_as_on_policy(
         }
         for i, t in enumerate(recorded.trajectories)
     ]
+    rounding = logprob_tolerance([x for c in calls for x in c["completion_logprobs"]])
     for est in ("tis_ppo", "score_centering"):
         model = copy.deepcopy(tiny_model)
         cfg = TrainerConfig(
@@ -86,7 +88,7 @@ def test_training_on_retokenized_calls_takes_unrecorded_positions_as_on_policy(
             model, make_optimizer(model, cfg, None), RecordedCalls.from_rows(calls), adv, cfg, pad_id=0
         )
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
-        assert row["engine_mismatch"] < 1e-5  # unquantized engine; the newline's mu is pi_k itself
+        assert row["engine_mismatch"] <= rounding  # unquantized engine; the newline's mu is pi_k itself
 
 
 def test_a_text_completion_call_cannot_be_rebuilt(recorded, tokenizer):

@@ -8,9 +8,8 @@ from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.logprobs import build_sequences, token_logprobs
 from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import TrainerConfig, _microbatches, make_optimizer, train_round
+from tests.conftest import logprob_tolerance, rounding_tolerance
 from tests.rl.conftest import record
-
-ENGINE_VS_TRAINER_ATOL = 2e-5  # fp32, KV cache + left padding vs one right-padded forward pass
 
 
 def _advantages(rollouts, batch_size):
@@ -31,19 +30,25 @@ def test_trainer_logprobs_match_the_engines(tiny_model, tokenizer, train_puzzles
     puzzles = train_puzzles[:6] + [p for p in train_puzzles if "mateIn2" in p.themes][:6]
     exact = record(tiny_model, tokenizer, puzzles, tmp_path, "none")
     quant = record(tiny_model, tokenizer, puzzles, tmp_path, "nvfp4")
-    gaps = {}
+    gaps, bounds = {}, {}  # bounds: fp32 rounding, KV cache + left padding vs one right-padded pass
     for name, rollouts in (("none", exact), ("nvfp4", quant)):
         seqs = build_sequences(RecordedCalls.from_rows(rollouts.calls), tokenizer.pad_token_id)
         with torch.no_grad():
             trainer = token_logprobs(tiny_model, seqs).logprobs
         engine = torch.tensor([lp for c in rollouts.calls for lp in c["completion_logprobs"]])
         gaps[name] = (trainer - engine)[seqs.free].abs()
-    assert gaps["none"].max() < ENGINE_VS_TRAINER_ATOL
+        bounds[name] = logprob_tolerance(engine[seqs.free])
+    assert gaps["none"].max() <= bounds["none"]
     print(
         f"engine vs trainer |dlogp| on sampled tokens: none max {gaps['none'].max():.2e}, "
         f"nvfp4 mean {gaps['nvfp4'].mean():.4f} max {gaps['nvfp4'].max():.4f}"
     )
-    assert gaps["nvfp4"].mean() > 10 * ENGINE_VS_TRAINER_ATOL  # quantization is a real mismatch
+    assert gaps["nvfp4"].mean() > 10 * bounds["nvfp4"]  # quantization is a real mismatch
+
+
+def positions(calls: list[dict]) -> int:
+    """The token positions of `calls`: a weight's gradient sums a term of each."""
+    return sum(len(c["prompt_token_ids"]) + len(c["completion_token_ids"]) for c in calls)
 
 
 def _grads_after_one_step(model, calls, adv, microbatch_calls, estimator=None, qat=False):
@@ -93,7 +98,8 @@ def test_microbatch_split_does_not_change_the_gradient(tiny_model, recorded, est
     many, rows_many = _grads_after_one_step(tiny_model, recorded.calls, adv, 1, estimator)
     assert one.keys() == many.keys() and one
     for name in one:
-        torch.testing.assert_close(one[name], many[name], rtol=1e-5, atol=1e-7)
+        atol = rounding_tolerance(one[name].abs().max(), positions(recorded.calls))
+        torch.testing.assert_close(one[name], many[name], rtol=0, atol=atol)
     assert abs(rows_one[0]["loss"] - rows_many[0]["loss"]) < 1e-6
 
 
@@ -146,9 +152,8 @@ def test_first_step_has_no_staleness(tiny_model, recorded, columns, qat):
     rows = train_round(model, make_optimizer(model, cfg, None), columns, adv, cfg, pad_id=0)
     assert rows[1]["staleness"] > 0
     assert rows[0]["staleness"] == 0.0
-    assert (
-        (rows[0]["engine_mismatch"] > 1e-3) if qat else (rows[0]["engine_mismatch"] < ENGINE_VS_TRAINER_ATOL)
-    )
+    unquantized = logprob_tolerance(columns.completion_logprobs)  # a mean of rounding differences
+    assert (rows[0]["engine_mismatch"] > 1e-3) if qat else (rows[0]["engine_mismatch"] <= unquantized)
 
 
 def test_is_ratios_renormalize_over_a_top_k_or_top_p_support(tiny_model, tokenizer, heldout, tmp_path):
@@ -189,7 +194,7 @@ def test_is_ratios_renormalize_over_a_top_k_or_top_p_support(tiny_model, tokeniz
         assert restricted.sum() >= 10
         renormalized = (lp.logprobs - seqs.deployment_logprobs)[restricted]
         unrenormalized = (lp.full_logprobs - seqs.deployment_logprobs)[restricted]
-        assert renormalized.abs().max() < ENGINE_VS_TRAINER_ATOL
+        assert renormalized.abs().max() <= logprob_tolerance(seqs.deployment_logprobs[restricted])
         assert unrenormalized.mean() < -0.05  # the bias a missing renormalization would leave
 
 
@@ -283,8 +288,9 @@ def test_step_diagnostics_summarize_every_microbatch_of_the_step(tiny_model, rec
         TrainerConfig(steps=2, batch_size=4, lr=5e-2, microbatch_calls=2, estimator=tis),
     )
     rows = train_round(model, make_optimizer(model, cfg, None), columns, adv, cfg, pad_id=0)
-    assert rows[0]["total_mismatch"] == pytest.approx(rows[0]["engine_mismatch"], abs=1e-7)
-    assert rows[0]["total_mismatch"] < ENGINE_VS_TRAINER_ATOL
+    rounding = logprob_tolerance(columns.completion_logprobs)  # both are means of rounding differences
+    assert abs(rows[0]["total_mismatch"] - rows[0]["engine_mismatch"]) <= rounding
+    assert rows[0]["total_mismatch"] <= rounding
     assert [r["rho_truncated_fraction"] for r in rows] == [1.0, 1.0]
     assert rows[0]["clip_fraction"] == 0.0 < rows[1]["clip_fraction"]
 
