@@ -10,10 +10,10 @@ from typing import Literal
 from dagster import ConfigurableResource, InitResourceContext
 from transformers import PreTrainedTokenizerBase
 
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import check_recording
 from prodrl_pipeline.engine.sampler import TorchEngine
-from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.evals.gate import check_gate_settings

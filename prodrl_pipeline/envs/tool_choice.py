@@ -16,8 +16,9 @@ from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
+from prodrl_pipeline.chat.render import plain_ids
 from prodrl_pipeline.engine.constraints import ChoiceConstraint
-from prodrl_pipeline.envs.chat import IM_END, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, plain_ids, tool_call_prefix
+from prodrl_pipeline.envs.chat import IM_END, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, tool_call_prefix
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MAX_CHOICES, MAX_CHOICE_CHARS = 1000, 256  # bounds on a client's enum: OpenAI's count, a length

@@ -20,10 +20,10 @@ from fastapi import FastAPI
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from prodrl_pipeline.artifacts import Artifacts, storage_options_from_environment
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.engine.vllm import VLLMEngine
 from prodrl_pipeline.engine.vllm_server import served_label, swap, weight_label
-from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.gateway.app import create_app
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower, Loaded, smoke_check

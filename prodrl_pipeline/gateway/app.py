@@ -21,9 +21,10 @@ from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from prodrl_pipeline.chat.render import render_ids
 from prodrl_pipeline.engine.constraints import ConstraintError
 from prodrl_pipeline.engine.rows import Completion
-from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
+from prodrl_pipeline.envs.chat import parse_assistant_text
 from prodrl_pipeline.gateway.errors import error_response, validation_error
 from prodrl_pipeline.gateway.guard import Guard
 from prodrl_pipeline.gateway.protocol import (

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from prodrl_pipeline.envs.chat import render_ids
+from prodrl_pipeline.chat.render import render_ids
 from prodrl_pipeline.envs.chess_env import MOVE_TOOL, ChessEpisode
 from prodrl_pipeline.envs.tool_choice import tool_call_ids
 from prodrl_pipeline.records.store import DeltaStore
