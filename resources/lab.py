@@ -10,7 +10,7 @@ from typing import Literal
 from dagster import ConfigurableResource, InitResourceContext
 from transformers import PreTrainedTokenizerBase
 
-from prodrl_pipeline.chat.render import load_tokenizer
+from prodrl_pipeline.chat.render import load_tokenizer, padding_id
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import check_recording
 from prodrl_pipeline.engine.sampler import TorchEngine
@@ -252,7 +252,7 @@ class LabResource(ConfigurableResource):
         return TorchEngine(
             load_deployment(deployment_path),
             tok.eos_token_id,
-            tok.pad_token_id,
+            padding_id(tok),
             self.top_logprobs,
             self.extra_samples,
         )

@@ -56,6 +56,15 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
+def padding_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id padded positions hold: the pad token, else the end-of-turn token (Llama 3 has no pad
+    token). Padded positions are masked out, so any id serves."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad token nor an end-of-sequence token")
+    return pad
+
+
 def _template_source(tokenizer: PreTrainedTokenizerBase) -> str:
     template = tokenizer.chat_template or ""
     return template if isinstance(template, str) else " ".join(template.values())  # named templates
@@ -155,6 +164,31 @@ def plain_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list
     return [e.ids for e in _plain_encoder(tokenizer).encode_batch(texts, add_special_tokens=False)]
 
 
+def _nothing_dropped(text: str, messages: list[dict], tools: list | None) -> None:
+    """TemplateError unless every tool's name and every history tool call's name and arguments occur
+    in the rendering as often as the request holds them (a template that cannot render tools, or
+    renders a call only when content is null, would drop them without a word)."""
+    wanted: dict[str, int] = {}
+    for i, tool in enumerate(tools or []):
+        name = (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
+        if isinstance(name, str) and name:
+            wanted[name] = wanted.get(name, 0) + 1
+        elif tools:
+            raise TemplateError(f"tools.{i} has no function name")
+    for message in messages:
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            for value in (function.get("name"), function.get("arguments")):
+                if isinstance(value, str) and value:
+                    wanted[value] = wanted.get(value, 0) + 1
+    for value, count in wanted.items():
+        if text.count(value) < count:
+            raise TemplateError(
+                "this model's chat template does not render the request's tools or tool calls "
+                f"(it drops {value[:64]!r}); send them in a form it renders, or without them"
+            )
+
+
 def render_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict],
@@ -163,8 +197,10 @@ def render_ids(
     **template_kwargs,
 ) -> list[int]:
     """Token ids of the chat template over `messages` and `tools` (by default the prompt of the next
-    assistant turn), every client string's control-marker text kept text (module docstring). Raises
-    TemplateError when a request holds more escaped strings than there are sentinels."""
+    assistant turn), every client string's control-marker text kept text (module docstring). A null
+    content the template cannot take (Qwen3's tests it as a string) is rendered as "", what it renders
+    for a turn without text. Raises TemplateError when the template drops a tool or a history tool
+    call (`_nothing_dropped`), or a request holds more escaped strings than there are sentinels."""
     pattern, heads, tails = _escapes(tokenizer)
     longest = max(map(len, heads), default=0)
     held: list[str] = []
@@ -204,13 +240,26 @@ def render_ids(
             return [escape(v) for v in value]
         return value
 
-    text = tokenizer.apply_chat_template(
-        escape(messages),
-        tools=escape(tools) if tools else tools,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        **template_kwargs,
-    )
+    escaped_messages, escaped_tools = escape(messages), escape(tools) if tools else tools
+
+    def template(conversation: list[dict]) -> str:
+        return tokenizer.apply_chat_template(
+            conversation,
+            tools=escaped_tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
+
+    try:
+        text = template(escaped_messages)
+    except Exception:  # noqa: BLE001 - the template's own error, or null content it cannot take
+        if not any(m.get("content") is None for m in escaped_messages):
+            raise
+        text = template(
+            [{**m, "content": "" if m.get("content") is None else m["content"]} for m in escaped_messages]
+        )
+    _nothing_dropped(text, escaped_messages, escaped_tools)
     markers, pieces, start = [], [], 0
     for match in _marker_pattern(tokenizer).finditer(text):
         pieces.append(text[start : match.start()])

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from prodrl_pipeline.artifacts import Artifacts, storage_options_from_environment
-from prodrl_pipeline.chat.render import load_tokenizer
+from prodrl_pipeline.chat.render import load_tokenizer, padding_id
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.engine.vllm import VLLMEngine
 from prodrl_pipeline.engine.vllm_server import served_label, swap, weight_label
@@ -50,7 +50,7 @@ def embedded_loader(
         engine = TorchEngine(
             load_deployment(path),
             tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
+            padding_id(tokenizer),
             args.top_logprobs,
             args.extra_samples,
         )

@@ -160,17 +160,25 @@ class TextPart(Strict):
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    reasoning_content: str | None = None
+    """An assistant turn's reasoning, as vLLM returns it (`reasoning` is its newer name): given to the
+    template, which renders or drops it as the model was trained (Qwen3 drops earlier turns')."""
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: None = None  # the chat template does not render participant names
     refusal: None = None  # clients replaying an assistant turn send it as null
 
     def for_template(self) -> dict:
-        """The message as the chat template expects it (text parts joined)."""
+        """The message as the chat template expects it: text parts joined, null content kept null (a
+        template may tell it from "": DeepSeek renders a turn's tool calls only without content)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
         if self.tool_calls:
             out["tool_calls"] = [tc.model_dump(exclude_none=True) for tc in self.tool_calls]
         if self.tool_call_id:

@@ -18,12 +18,12 @@ from datetime import UTC, datetime
 from fastapi import HTTPException
 from transformers import PreTrainedTokenizerBase
 
+from prodrl_pipeline.chat.tool_calls import ToolCallFormat
 from prodrl_pipeline.engine.constraints import Constraint
 from prodrl_pipeline.engine.grammar import GrammarConstraint
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Completion
 from prodrl_pipeline.engine.rows import Request as EngineRequest
-from prodrl_pipeline.envs.chat import TOOL_CALL_OPEN
 from prodrl_pipeline.envs.tool_choice import required_tool_call
 from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower, Loaded
 from prodrl_pipeline.gateway.landing import LandingLog
@@ -254,7 +254,7 @@ class Serving:
             raise ParamError("tool_choice", str(e)) from e
 
     def stream_chat(
-        self, dep, req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply
+        self, dep, req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply, calls
     ):  # noqa: ANN001, ANN202, PLR0913
         """The SSE body of a streamed chat call: tokens as the engine produces them (an engine
         without per-token callbacks streams its finished completion); the call is recorded when
@@ -308,10 +308,15 @@ class Serving:
             end,
             abandon,
             stops=req.stop,
-            tool_open=None
-            if req.tool_choice == "none"
-            else self.tokenizer.convert_tokens_to_ids(TOOL_CALL_OPEN),
+            tool_open=_opening_id(self.tokenizer, calls),
         )
+
+
+def _opening_id(tokenizer: PreTrainedTokenizerBase, calls: ToolCallFormat | None) -> int | None:
+    """The token a streamed reply's text is held back from (the family's call marker), if it parses calls."""
+    if calls is None or calls.open_marker is None:
+        return None
+    return tokenizer.convert_tokens_to_ids(calls.open_marker)
 
 
 def expire_unscored(landing: LandingLog | None, sessions: SessionIndex) -> int:
