@@ -3,9 +3,9 @@
 Endpoints: /v1/chat/completions (tools, `stream`), /v1/completions (text or token-id prompts),
 /v1/models, /v1/feedback (late reward), /healthz, /metrics. A trajectory is a session: the client
 names it with the `X-Prodrl-Trajectory-Id` header, `metadata.trajectory_id`, or `user` (first
-found); a call without one is a single-call trajectory. Every response carries the ids to send
-feedback for (`prodrl` field, `X-Prodrl-Trajectory-Id` / `X-Prodrl-Call-Id` headers). A call is in
-the landing spool before its response is sent.
+found; any string, kept exactly); a call without one is a single-call trajectory. Every response
+carries the ids to send feedback for (`prodrl` field, `X-Prodrl-Trajectory-Id` (percent-encoded) /
+`X-Prodrl-Call-Id` headers). A call is in the landing spool before its response is sent.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from prodrl_pipeline.gateway.responses import (
     text_of,
     usage,
 )
-from prodrl_pipeline.gateway.serving import CALL_HEADER, TRAJECTORY_HEADER, Serving
+from prodrl_pipeline.gateway.serving import Serving, id_headers
 
 
 def create_app(serving: Serving) -> FastAPI:
@@ -161,7 +161,7 @@ def create_app(serving: Serving) -> FastAPI:
             raise ParamError("messages", f"messages do not render with the chat template: {e}") from e
         json_reply = req.response_format is not None and req.response_format.type != "text"
         calls = fmt if req.tools and req.tool_choice != "none" and not json_reply else None
-        headers = {TRAJECTORY_HEADER: tid, CALL_HEADER: call_id}
+        headers = id_headers(tid, call_id)
         ids = {"trajectory_id": tid, "call_id": call_id, "prompt_token_ids": prompt_ids}
         created = int(time.time())
 
@@ -277,7 +277,7 @@ def create_app(serving: Serving) -> FastAPI:
                 "usage": usage(prompt_ids, c),
                 "prodrl": ids,
             },
-            headers={TRAJECTORY_HEADER: tid, CALL_HEADER: call_id},
+            headers=id_headers(tid, call_id),
         )
         if await request.is_disconnected():
             metrics.counts["client_gone"] += 1

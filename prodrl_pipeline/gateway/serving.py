@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from urllib.parse import quote, unquote
 
 from fastapi import HTTPException
 from transformers import PreTrainedTokenizerBase
@@ -32,7 +33,29 @@ from prodrl_pipeline.gateway.responses import Ending, TokenFeed, chat_stream, st
 from prodrl_pipeline.gateway.sessions import EXPIRED_TABLE, SessionIndex
 
 TRAJECTORY_HEADER, CALL_HEADER = "X-Prodrl-Trajectory-Id", "X-Prodrl-Call-Id"
-TRAJECTORY_ID = re.compile(r"[A-Za-z0-9_.:-]{1,256}")  # safe in headers, paths and SQL predicates
+HEADER_ID_BYTES = 2048  # a longer escaped id is left out of the response header (proxies' header buffers)
+BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
+def id_headers(tid: str, call_id: str) -> dict[str, str]:
+    """A response's id headers: the trajectory id percent-encoded as UTF-8 (every byte but
+    A-Z a-z 0-9 - . _ ~ : as %XX; `urllib.parse.unquote` decodes it), left out when that is over
+    HEADER_ID_BYTES (the body's `prodrl.trajectory_id` always carries the id)."""
+    headers = {CALL_HEADER: call_id}
+    if len(escaped := quote(tid, safe=":")) <= HEADER_ID_BYTES:
+        headers[TRAJECTORY_HEADER] = escaped
+    return headers
+
+
+def header_id(value: str) -> str:
+    """The trajectory id a request's header names: ASCII with percent-escapes of UTF-8, decoded (the
+    response header's own form, so it can be sent back as it came); 400 otherwise."""
+    if not value.isascii() or BAD_ESCAPE.search(value):
+        raise HTTPException(400, f"{TRAJECTORY_HEADER}: percent-encode the id as UTF-8 (a % starts %XX)")
+    try:
+        return unquote(value, errors="strict")
+    except UnicodeDecodeError as e:
+        raise HTTPException(400, f"{TRAJECTORY_HEADER}: its escapes are not UTF-8") from e
 
 
 @dataclass(frozen=True)
@@ -116,18 +139,10 @@ class Serving:
 
     @staticmethod
     def trajectory_of(req: SamplingFields, header: str | None, call_id: str) -> str:
-        given = [
-            (TRAJECTORY_HEADER, header),
-            ("metadata.trajectory_id", (req.metadata or {}).get("trajectory_id")),
-            ("user", req.user),
-        ]
-        for name, tid in given:
-            if tid is None or tid == "":
-                continue
-            if not TRAJECTORY_ID.fullmatch(tid):
-                raise HTTPException(400, f"{name}: a trajectory id is 1-256 characters of [A-Za-z0-9_.:-]")
-            return tid
-        return call_id
+        """The first non-empty of the header (decoded), `metadata.trajectory_id` and `user`, exactly
+        as given: kept as data (headers carry it escaped), else the call id."""
+        given = (header_id(header) if header else None, (req.metadata or {}).get("trajectory_id"), req.user)
+        return next((tid for tid in given if tid), call_id)
 
     def sampling(
         self, dep: Loaded, prompt_ids: list[int], req: SamplingFields, prompt_param: str

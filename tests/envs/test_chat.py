@@ -1,10 +1,8 @@
 import chess
 import pytest
 
-from prodrl_pipeline.envs.chat import (
-    parse_assistant_text,
-    render_ids,
-)
+from prodrl_pipeline.chat.render import render_ids
+from prodrl_pipeline.envs.chat import parse_assistant_text
 from prodrl_pipeline.envs.chess_env import (
     MOVE_TOOL,
     ChessEpisode,

@@ -9,6 +9,9 @@ from prodrl_pipeline.records.store import DeltaStore
 from tests.gateway.conftest import FEEDBACK_KEY, SERVE_KEY, Gateway
 from tests.test_pipeline import ASSETS, ROUND, _resources
 
+# trajectory ids as clients send them: plain in the header, any text as `user`
+TIDS = [f"t{i}" if i % 2 else f"ü {i}@example.com\r\n'; --" for i in range(10)]
+
 
 def test_a_round_trains_on_recorded_production_traffic(tmp_path):
     resources = _resources(tmp_path, source="production", steps=2, batch_size=4)
@@ -19,14 +22,15 @@ def test_a_round_trains_on_recorded_production_traffic(tmp_path):
         for i in range(10):
             for turn in range(2):
                 body = {"messages": [{"role": "user", "content": f"task {i} turn {turn}"}], "max_tokens": 6}
+                named = {"X-Prodrl-Trajectory-Id": TIDS[i]} if i % 2 else {}
                 r = httpx.post(
                     f"{gw.url}/v1/chat/completions",
-                    json=body,
-                    headers={**serve, "X-Prodrl-Trajectory-Id": f"t{i}"},
+                    json=body if i % 2 else {**body, "user": TIDS[i]},
+                    headers={**serve, **named},
                 )
                 assert r.status_code == 200
             if i < 9:  # t9 stays unscored: it must not be trained on
-                fb = {"trajectory_id": f"t{i}", "reward": float(i % 2)}
+                fb = {"trajectory_id": TIDS[i], "reward": float(i % 2)}
                 r = httpx.post(
                     f"{gw.url}/v1/feedback", json=fb, headers={"Authorization": f"Bearer {FEEDBACK_KEY}"}
                 )
@@ -40,9 +44,8 @@ def test_a_round_trains_on_recorded_production_traffic(tmp_path):
         tables = DeltaStore(tmp_path / "tables")
         trajs = tables.read("trajectories", 1).to_pylist()
         assert len(trajs) == 8 and {t["source"] for t in trajs} == {"production"}
-        assert {t["deployment_id"] for t in trajs} == {"base"} and "t9" not in {
-            t["trajectory_id"] for t in trajs
-        }
+        assert {t["deployment_id"] for t in trajs} == {"base"}
+        assert {t["trajectory_id"] for t in trajs} == set(TIDS[:8])  # the earliest, exactly as named
         assert all(t["n_calls"] == 2 for t in trajs)
         assert tables.read("calls", 1).num_rows == 16
         meta = instance.get_latest_materialization_event(
