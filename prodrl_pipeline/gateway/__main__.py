@@ -30,6 +30,7 @@ from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower, Loade
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.serving import GatewayConfig, Serving, expire_unscored
 from prodrl_pipeline.gateway.sessions import SessionIndex
+from prodrl_pipeline.model import pad_id
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup
 from prodrl_pipeline.records.store import DeltaStore
@@ -50,7 +51,7 @@ def embedded_loader(
         engine = TorchEngine(
             load_deployment(path),
             tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
+            pad_id(tokenizer),
             args.top_logprobs,
             args.extra_samples,
         )
