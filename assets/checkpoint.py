@@ -16,7 +16,6 @@ from assets import metadata
 from assets.advantages import advantages
 from assets.partitions import each_round, round_number, rounds
 from assets.torchrun import train_with_torchrun
-from prodrl_pipeline.chat.render import padding_id
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup, register_checkpoint, round_id
 from prodrl_pipeline.rl.checkpoint import LINEAGE_KEYS, load_checkpoint, save_checkpoint
@@ -229,7 +228,7 @@ def _train_in_process(
     model, optimizer_state, parent_meta = load_checkpoint(parent_path)
     model.to(cfg.device)
     optimizer = make_optimizer(model, cfg, optimizer_state)
-    pad = padding_id(lab.tokenizer())
+    pad = lab.pad_id()
     adv = tables.read("advantages", k).to_pylist()
     stored_calls = trained_calls(tables.read("calls", k), adv)
     retokenized: dict = {}

@@ -12,7 +12,6 @@ from dagster import AssetExecutionContext, Failure, PipesSubprocessClient
 from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises; not exported
 
 from prodrl_pipeline.artifacts import STORAGE_OPTIONS_ENV, is_remote
-from prodrl_pipeline.chat.render import padding_id
 from prodrl_pipeline.rl.trainer import TrainerConfig
 from resources.lab import LabResource
 from resources.store import StoreResource
@@ -62,7 +61,7 @@ def train_with_torchrun(  # noqa: PLR0913
     local = lambda uri: uri if is_remote(uri) else str(Path(uri).resolve())  # noqa: E731
     args = [
         "--tables", local(tables_uri), "--round", str(k), "--parent", local(parent), "--out", local(out),
-        "--trainer", json.dumps(asdict(cfg)), "--pad-id", str(padding_id(lab.tokenizer())),
+        "--trainer", json.dumps(asdict(cfg)), "--pad-id", str(lab.pad_id()),
         "--behaviour-step", str(behaviour_step), "--meta", json.dumps(meta, default=str),
     ]  # fmt: skip
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(lab.trainer_processes)]

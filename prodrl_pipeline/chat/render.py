@@ -56,15 +56,6 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tok
 
 
-def padding_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The id padded positions hold: the pad token, else the end-of-turn token (Llama 3 has no pad
-    token). Padded positions are masked out, so any id serves."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad is None:
-        raise ValueError("the tokenizer has neither a pad token nor an end-of-sequence token")
-    return pad
-
-
 def _template_source(tokenizer: PreTrainedTokenizerBase) -> str:
     template = tokenizer.chat_template or ""
     return template if isinstance(template, str) else " ".join(template.values())  # named templates

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from prodrl_pipeline.artifacts import Artifacts, storage_options_from_environment
-from prodrl_pipeline.chat.render import load_tokenizer, padding_id
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.engine.vllm import VLLMEngine
 from prodrl_pipeline.engine.vllm_server import served_label, swap, weight_label
@@ -30,6 +30,7 @@ from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower, Loade
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.serving import GatewayConfig, Serving, expire_unscored
 from prodrl_pipeline.gateway.sessions import SessionIndex
+from prodrl_pipeline.model import pad_id
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup
 from prodrl_pipeline.records.store import DeltaStore
@@ -50,7 +51,7 @@ def embedded_loader(
         engine = TorchEngine(
             load_deployment(path),
             tokenizer.eos_token_id,
-            padding_id(tokenizer),
+            pad_id(tokenizer),
             args.top_logprobs,
             args.extra_samples,
         )
