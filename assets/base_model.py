@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 from assets import metadata
 from assets.evaluation import evaluate_deployment
 from prodrl_pipeline.envs.lab_data import base_inputs_digest
+from prodrl_pipeline.evals.gate import NO_EVALUATION
 from prodrl_pipeline.evals.heldout import solve_rate, solve_rates_by_theme
 from prodrl_pipeline.model import build_model, load_model, n_parameters
 from prodrl_pipeline.quant.nvfp4 import export_deployment
@@ -21,8 +22,9 @@ from resources.store import StoreResource
 
 @asset(group_name="base", kinds={"pytorch", "delta"})
 def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
-    """Build (or load) the base model, export its deployment, make it live if nothing is, and
-    evaluate it on the held-out puzzles (round 0 of every curve)."""
+    """Build (or load) the base model, export its deployment, make it live if nothing is, and, in
+    the lab, evaluate it on the held-out puzzles (round 0 of every curve). Production loads
+    `base_checkpoint` with its own tokenizer and evaluates nothing (no production gate yet)."""
     tables = store.tables(context.run.run_id)
     tok = lab.tokenizer()
     source = lab.base_checkpoint or "tiny-qwen3"
@@ -79,12 +81,19 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
     )
     if tables.live_deployment() is None:
         tables.set_live(BASE)
-    results = evaluate_deployment(
-        tables, lab, artifacts, lookup(tables, "deployments", "deployment_id", BASE), 0
-    )
-    context.log.info(
-        f"base model: {n_parameters(model):,} parameters, held-out solve rate {solve_rate(results):.3f}"
-    )
+    if lab.evaluated():
+        results = evaluate_deployment(
+            tables, lab, artifacts, lookup(tables, "deployments", "deployment_id", BASE), 0
+        )
+        evaluation = {
+            "heldout_solve_rate": solve_rate(results),
+            **{f"heldout_solve_rate_{theme}": rate for theme, rate in solve_rates_by_theme(results).items()},
+            "heldout_puzzles": len(results),
+        }
+        judged = f"held-out solve rate {solve_rate(results):.3f}"
+    else:
+        evaluation, judged = {"evaluation": NO_EVALUATION}, f"evaluation {NO_EVALUATION}"
+    context.log.info(f"base model: {n_parameters(model):,} parameters, {judged}")
     return MaterializeResult(
         metadata={
             "parameters": n_parameters(model),
@@ -94,10 +103,8 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
             "checkpoint_path": path,
             "deployment_path": deploy_path,
             "quant_format": lab.quant_format,
-            "heldout_solve_rate": solve_rate(results),
-            **{f"heldout_solve_rate_{theme}": rate for theme, rate in solve_rates_by_theme(results).items()},
+            **evaluation,
             **_warm_start_metadata(warm_rows),
-            "heldout_puzzles": len(results),
             "live_deployment": tables.live_deployment()["deployment_id"],
         }
     )

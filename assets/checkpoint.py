@@ -228,7 +228,7 @@ def _train_in_process(
     model, optimizer_state, parent_meta = load_checkpoint(parent_path)
     model.to(cfg.device)
     optimizer = make_optimizer(model, cfg, optimizer_state)
-    pad = lab.tokenizer().pad_token_id
+    pad = lab.pad_id()
     adv = tables.read("advantages", k).to_pylist()
     stored_calls = trained_calls(tables.read("calls", k), adv)
     retokenized: dict = {}

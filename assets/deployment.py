@@ -25,11 +25,12 @@ from prodrl_pipeline.engine.vllm_server import (
     swap,
     weight_label,
 )
-from prodrl_pipeline.evals.gate import deploy_gate
+from prodrl_pipeline.evals.gate import NO_EVALUATION, NO_GATE, deploy_gate
 from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.quant.nvfp4 import export_deployment, load_deployment, weight_error
 from prodrl_pipeline.records.queries import stored_results
 from prodrl_pipeline.records.registry import lookup, register_deployment, round_id
+from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import load_checkpoint
 from prodrl_pipeline.rounds import goes_live
 from resources.lab import LabResource
@@ -49,15 +50,17 @@ GOLDEN_CALLS = 8  # recorded calls whose completions the vLLM swap check scores
             "deploy_gate",
             asset="deployment",
             blocking=True,
-            description="held-out solve rate not worse than live's beyond the margin",
+            description="lab: held-out solve rate not worse than live's beyond the margin; "
+            "production: no gate yet (passes without evaluation)",
             partitions_def=rounds,
         )
     ],
     backfill_policy=BackfillPolicy.single_run(),
 )
 def deployment(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
-    """Quantize and register the round's checkpoint, evaluate it on the held-out puzzles, and make
-    it live only if the deploy gate passes; otherwise live stays and downstream assets are skipped."""
+    """Quantize and register the round's checkpoint and make it live only if the deploy gate passes
+    (the lab: it is evaluated on the held-out puzzles against live; production: no gate yet, it
+    passes without evaluation); otherwise live stays and downstream assets are skipped."""
     return each_round(context, store, lab.experiment, lambda key: _deployment_round(context, key, store, lab))
 
 
@@ -121,20 +124,10 @@ def _deployment_round(
         quant_format=lab.quant_format,
         sampling_json=json.dumps(asdict(lab.sampling())),
     )
-    candidate = evaluate_deployment(
-        tables, lab, artifacts, lookup(tables, "deployments", "deployment_id", dep_id), k
-    )
-    live_rows = stored_results(tables, live["deployment_id"]) or evaluate_deployment(
-        tables, lab, artifacts, live, live["round"]
-    )
-    gate = deploy_gate(
-        {r["puzzle_id"]: r["solved"] for r in candidate},
-        {r["puzzle_id"]: r["solved"] for r in live_rows},
-        lab.gate_margin,
-        lab.gate_confidence,
-    )
+    new = lookup(tables, "deployments", "deployment_id", dep_id)
+    passed, reason, evaluation, gate_metadata = _gate(tables, lab, artifacts, new, live)
     decide = lambda now: goes_live(  # noqa: E731
-        gate_passed=gate.passed,
+        gate_passed=passed,
         counterfactual=lab.counterfactual,
         round_=k,
         candidate=dep_id,
@@ -146,13 +139,12 @@ def _deployment_round(
         golden = list(
             zip(calls["prompt_token_ids"].to_pylist(), calls["completion_token_ids"].to_pylist(), strict=True)
         )
-        new = lookup(tables, "deployments", "deployment_id", dep_id)
         _swap_vllm(context, lab, artifacts, new, live, golden[:GOLDEN_CALLS])
     moved = tables.move_live(dep_id, decide)  # decided on the live row read in the same commit
     if serving and not moved:  # live moved under this run: the engine serves what is live now
         now = tables.live_deployment()
         swap(lab.vllm_url, artifacts.local(now["path"]), weight_label(now))
-    context.log.info(f"round {k}: {gate.reason()}; live is {tables.live_deployment()['deployment_id']}")
+    context.log.info(f"round {k}: {reason}; live is {tables.live_deployment()['deployment_id']}")
     return MaterializeResult(
         metadata={
             "deployment_id": dep_id,
@@ -162,7 +154,7 @@ def _deployment_round(
             "previous_live": live["deployment_id"],
             "moved_live": moved,
             "live_now": tables.live_deployment()["deployment_id"],
-            "heldout_solve_rate": solve_rate(candidate),
+            **evaluation,
             "export_bytes": export_bytes,
             "weight_rel_error": rel_error,
             **metadata.lineage(tables),
@@ -170,17 +162,38 @@ def _deployment_round(
         check_results=[
             AssetCheckResult(
                 check_name="deploy_gate",
-                passed=gate.passed,
-                description=gate.reason(),
-                metadata={
-                    "candidate_rate": gate.candidate_rate,
-                    "live_rate": gate.live_rate,
-                    "diff": gate.diff,
-                    "upper_bound": gate.upper_bound,
-                    "margin": gate.margin,
-                    "paired_puzzles": gate.n,
-                    "live_deployment": live["deployment_id"],
-                },
+                passed=passed,
+                description=reason,
+                metadata={**gate_metadata, "live_deployment": live["deployment_id"]},
             )
         ],
     )
+
+
+def _gate(
+    tables: DeltaStore, lab: LabResource, artifacts: Artifacts, new: dict, live: dict
+) -> tuple[bool, str, dict, dict]:
+    """The deploy gate on the `new` deployment row against the `live` one: whether it passes, why,
+    the candidate's evaluation (materialization metadata) and the gate's numbers (check metadata).
+    The lab evaluates both on the held-out puzzles; production has no gate yet and passes."""
+    if not lab.evaluated():
+        return True, NO_GATE, {"evaluation": NO_EVALUATION}, {"gate": "off"}
+    candidate = evaluate_deployment(tables, lab, artifacts, new, new["round"])
+    live_rows = stored_results(tables, live["deployment_id"]) or evaluate_deployment(
+        tables, lab, artifacts, live, live["round"]
+    )
+    gate = deploy_gate(
+        {r["puzzle_id"]: r["solved"] for r in candidate},
+        {r["puzzle_id"]: r["solved"] for r in live_rows},
+        lab.gate_margin,
+        lab.gate_confidence,
+    )
+    numbers = {
+        "candidate_rate": gate.candidate_rate,
+        "live_rate": gate.live_rate,
+        "diff": gate.diff,
+        "upper_bound": gate.upper_bound,
+        "margin": gate.margin,
+        "paired_puzzles": gate.n,
+    }
+    return gate.passed, gate.reason(), {"heldout_solve_rate": solve_rate(candidate)}, numbers

@@ -1,4 +1,5 @@
-"""Held-out evaluation of the round's deployment, and the run's curves so far."""
+"""Held-out evaluation of the round's deployment (the lab; production has none yet), and the run's
+curves so far."""
 
 from dagster import AssetExecutionContext, BackfillPolicy, MaterializeResult, MetadataValue, asset
 
@@ -6,10 +7,12 @@ from assets import metadata
 from assets.deployment import deployment
 from assets.evaluation import evaluate_deployment
 from assets.partitions import each_round, round_number, rounds
+from prodrl_pipeline.evals.gate import NO_EVALUATION
 from prodrl_pipeline.evals.heldout import solve_rate, solve_rates_by_theme
 from prodrl_pipeline.records.lineage import QUERY_TABLES, round_query
-from prodrl_pipeline.records.queries import round_summary, stored_results
+from prodrl_pipeline.records.queries import round_summary, stored_results, training_summary
 from prodrl_pipeline.records.registry import lookup, round_id
+from prodrl_pipeline.records.store import DeltaStore
 from resources.lab import LabResource
 from resources.store import StoreResource
 
@@ -23,6 +26,8 @@ SUMMARY_COLUMNS = [
     "staleness",
     "last_step",
 ]
+TRAINING_COLUMNS = [c for c in SUMMARY_COLUMNS if c not in ("heldout_solve_rate", "mate_in_1", "mate_in_2")]
+"""The per-round table in production mode: no deployment is evaluated."""
 RUN_LEVEL = frozenset({"curves", "rounds", "vs_original", "reward_curve", "mismatch_sawtooth"})
 """What describes the whole run up to the report's round: kept at the top of a ranged run's result."""
 PLOTTED = ["train_reward", "engine_mismatch", "staleness", "kl", "clip_fraction"]
@@ -38,10 +43,11 @@ across the round partitions."""
     backfill_policy=BackfillPolicy.single_run(),
 )
 def eval_report(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
-    """The round's held-out results (stored per puzzle by the deploy gate's evaluation) and its
-    training numbers (floats, plotted across rounds by the UI), the run's curves so far (in place,
-    and as full plots), the per-round table, and the way back to the round's rows: its checkpoint
-    and deployment locations, and a query that opens its calls, trajectories and steps."""
+    """The round's held-out results (the lab: stored per puzzle by the deploy gate's evaluation;
+    production: none, and `evaluation` says so) and its training numbers (floats, plotted across
+    rounds by the UI), the run's curves so far (in place, and as full plots), the per-round table,
+    and the way back to the round's rows: its checkpoint and deployment locations, and a query that
+    opens its calls, trajectories and steps."""
     one = lambda key: _eval_report_round(context, key, store, lab)  # noqa: E731
     return each_round(context, store, lab.experiment, one, RUN_LEVEL)
 
@@ -52,22 +58,25 @@ def _eval_report_round(
     k = round_number(key)
     tables = store.tables(context.run.run_id, key)
     dep = lookup(tables, "deployments", "deployment_id", round_id(lab.experiment, k))
-    results = stored_results(tables, dep["deployment_id"]) or evaluate_deployment(
-        tables, lab, store.artifacts(), dep, k
-    )
+    evaluation = _evaluation(context, tables, lab, store, dep)
+    evaluated = lab.evaluated()
     pinned = {t: tables.table(t).version() for t in QUERY_TABLES}  # the query reads what the report read
-    summary = round_summary(tables, lab.experiment)
-    this = next((r for r in summary if r["round"] == k), {})  # none without its held-out rows
+    summarize = round_summary if evaluated else training_summary
+    summary = summarize(tables, lab.experiment)
+    this = next((r for r in summary if r["round"] == k), {})  # lab: none without its held-out rows
+    compared = {"solve rate": "heldout_solve_rate"} if evaluated else {}
+    compared["mismatch"] = "engine_mismatch"
     comparison = {}
     if lab.counterfactual:  # side by side with the original run on the same recorded traffic
-        original = {r["round"]: r for r in round_summary(tables, lab.compare_to)}
+        original = {r["round"]: r for r in summarize(tables, lab.compare_to)}
         rows = [
             {
                 "round": r["round"],
-                f"{lab.compare_to} solve rate": original.get(r["round"], {}).get("heldout_solve_rate"),
-                f"{lab.experiment} solve rate": r["heldout_solve_rate"],
-                f"{lab.compare_to} mismatch": original.get(r["round"], {}).get("engine_mismatch"),
-                f"{lab.experiment} mismatch": r["engine_mismatch"],
+                **{
+                    f"{run} {name}": row.get(column)
+                    for name, column in compared.items()
+                    for run, row in ((lab.compare_to, original.get(r["round"], {})), (lab.experiment, r))
+                },
             }
             for r in summary
         ]
@@ -76,21 +85,13 @@ def _eval_report_round(
         (r for r in tables.read("train_steps").to_pylist() if r["experiment"] == lab.experiment),
         key=lambda r: r["step"],
     )
-    rate = solve_rate(results)
-    per_round = (
-        [s["round"] for s in summary],
-        {
-            "held-out solve rate": [s["heldout_solve_rate"] for s in summary],
-            "train reward": [_float(s["train_reward"]) for s in summary],
-        },
-    )
-    context.log.info(f"round {k}: held-out solve rate {rate:.3f} over {len(results)} puzzles")
+    curves = {"held-out solve rate": [s["heldout_solve_rate"] for s in summary]} if evaluated else {}
+    curves["train reward"] = [_float(s["train_reward"]) for s in summary]
+    per_round = ([s["round"] for s in summary], curves)
     return MaterializeResult(
         metadata={
             "curves": metadata.sparkline(*per_round, "per round"),
-            "heldout_solve_rate": rate,
-            "heldout_puzzles": len(results),
-            **{f"solve_rate_{theme}": rate for theme, rate in solve_rates_by_theme(results).items()},
+            **evaluation,
             **{name: _float(this.get(name)) for name in PLOTTED},
             "deployment_id": dep["deployment_id"],
             "deployment": metadata.location(dep["path"]),
@@ -99,7 +100,7 @@ def _eval_report_round(
             ),
             "query": MetadataValue.md(f"```python\n{round_query(tables, k, lab.experiment, pinned)}```"),
             **metadata.lineage(tables),
-            "rounds": metadata.table(summary, SUMMARY_COLUMNS),
+            "rounds": metadata.table(summary, SUMMARY_COLUMNS if evaluated else TRAINING_COLUMNS),
             **comparison,
             "reward_curve": metadata.plot(*per_round, "round", "reward per round"),
             "mismatch_sawtooth": metadata.plot(
@@ -113,6 +114,27 @@ def _eval_report_round(
             ),
         }
     )
+
+
+def _evaluation(
+    context: AssetExecutionContext, tables: DeltaStore, lab: LabResource, store: StoreResource, dep: dict
+) -> dict:
+    """The round's deployment's held-out solve rates (the lab: stored by the deploy gate, else
+    evaluated now), or, in production, that there is no evaluation."""
+    k = dep["round"]
+    if not lab.evaluated():
+        context.log.info(f"round {k}: evaluation {NO_EVALUATION}")
+        return {"evaluation": NO_EVALUATION}
+    results = stored_results(tables, dep["deployment_id"]) or evaluate_deployment(
+        tables, lab, store.artifacts(), dep, k
+    )
+    rate = solve_rate(results)
+    context.log.info(f"round {k}: held-out solve rate {rate:.3f} over {len(results)} puzzles")
+    return {
+        "heldout_solve_rate": rate,
+        "heldout_puzzles": len(results),
+        **{f"solve_rate_{theme}": rate for theme, rate in solve_rates_by_theme(results).items()},
+    }
 
 
 def _float(value: float | None) -> float:

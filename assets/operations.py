@@ -15,6 +15,7 @@ from dagster import (
 
 from assets.evaluation import evaluate_deployment
 from prodrl_pipeline.cleanup import remove, unreferenced
+from prodrl_pipeline.evals.gate import NO_EVALUATION
 from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.evals.report import markdown_table
 from prodrl_pipeline.records.schema import TABLES
@@ -35,6 +36,9 @@ def maintain_tables(context: OpExecutionContext, store: StoreResource) -> None:
 
 @op
 def evaluate_live(context: OpExecutionContext, store: StoreResource, lab: LabResource) -> None:
+    if not lab.evaluated():
+        context.log.info(f"live deployment not evaluated: {NO_EVALUATION}")
+        return
     tables = store.tables(context.run.run_id)
     live = tables.live_deployment()
     if live is None:
@@ -96,7 +100,7 @@ def maintenance_job() -> None:
     maintain_tables()
 
 
-@job(description="Re-evaluate the live deployment on the held-out puzzles")
+@job(description="Re-evaluate the live deployment on the held-out puzzles (the lab; production has none yet)")
 def eval_live_job() -> None:
     evaluate_live()
 

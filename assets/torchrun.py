@@ -61,7 +61,7 @@ def train_with_torchrun(  # noqa: PLR0913
     local = lambda uri: uri if is_remote(uri) else str(Path(uri).resolve())  # noqa: E731
     args = [
         "--tables", local(tables_uri), "--round", str(k), "--parent", local(parent), "--out", local(out),
-        "--trainer", json.dumps(asdict(cfg)), "--pad-id", str(lab.tokenizer().pad_token_id),
+        "--trainer", json.dumps(asdict(cfg)), "--pad-id", str(lab.pad_id()),
         "--behaviour-step", str(behaviour_step), "--meta", json.dumps(meta, default=str),
     ]  # fmt: skip
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(lab.trainer_processes)]

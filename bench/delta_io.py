@@ -25,9 +25,9 @@ import pyarrow.parquet as pq
 import torch
 
 from bench.ratios import Ratio, alternate, report, speedup
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
-from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.model import TinyQwen3Config, build_model

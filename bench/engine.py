@@ -35,11 +35,11 @@ from contextlib import contextmanager
 import torch
 
 from bench.ratios import Ratio, alternate, report, seconds_in
+from prodrl_pipeline.chat.render import load_tokenizer, render_ids
 from prodrl_pipeline.engine.head import recorded_head
 from prodrl_pipeline.engine.processing import SamplingParams, processed_logprobs
 from prodrl_pipeline.engine.rows import NO_IDS, Request, Rows
 from prodrl_pipeline.engine.sampler import TorchEngine
-from prodrl_pipeline.envs.chat import load_tokenizer, render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.model import TinyQwen3Config, build_model

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import httpx
 
+from prodrl_pipeline.chat.render import load_tokenizer, render_ids
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.engine.sampler import TorchEngine
-from prodrl_pipeline.envs.chat import load_tokenizer, render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.gateway.batcher import BatchingEngine

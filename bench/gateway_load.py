@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from prodrl_pipeline.envs.chat import load_tokenizer
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.gateway.process import GatewayProcess, live_root

@@ -55,9 +55,9 @@ def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 def prepare(root: Path) -> None:
     """Record the round into `root`: tables/ (calls, advantages) and parent/ (the checkpoint)."""
     # the engine and the environment are imported here: the GPU side (`check`) needs neither
+    from prodrl_pipeline.chat.render import load_tokenizer  # noqa: PLC0415
     from prodrl_pipeline.engine.processing import SamplingParams  # noqa: PLC0415
     from prodrl_pipeline.engine.sampler import TorchEngine  # noqa: PLC0415
-    from prodrl_pipeline.envs.chat import load_tokenizer  # noqa: PLC0415
     from prodrl_pipeline.envs.lab_data import iter_lab_puzzles  # noqa: PLC0415
     from prodrl_pipeline.envs.rollout import play  # noqa: PLC0415
     from prodrl_pipeline.model import TinyQwen3Config, build_model  # noqa: PLC0415

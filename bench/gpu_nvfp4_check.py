@@ -18,7 +18,7 @@ import time
 import torch
 from modelopt.torch.kernels.quantization.gemm import fp4_fake_quant_block
 
-from prodrl_pipeline.envs.chat import load_tokenizer
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 from prodrl_pipeline.quant.nvfp4 import QUANTIZED, _shared_scale_2, round_trip
 

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 
 import prodrl_pipeline.rl.logprobs
 from bench.ratios import Ratio, alternate, report
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
-from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.model import TinyQwen3Config, build_model

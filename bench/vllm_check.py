@@ -21,8 +21,8 @@ import httpx
 import openai
 import torch
 
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.engine.vllm_server import VLLMServer, serve_command
-from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.gateway.process import GatewayProcess, free_port, live_root

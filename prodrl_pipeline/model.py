@@ -6,7 +6,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 SIZES = (  # every one of them >= 1
     "hidden_size",
@@ -65,6 +71,13 @@ def build_model(config: TinyQwen3Config, vocab_size: int, pad_token_id: int) -> 
     hf_config.prodrl_tiny = asdict(config)
     torch.manual_seed(config.seed)
     return Qwen3ForCausalLM(hf_config).eval()
+
+
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that pads batches: the tokenizer's pad token, else its end-of-sequence token (Llama 3
+    has no pad token). Padded positions are masked and never recorded, so any id of the vocabulary
+    pads."""
+    return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
 def load_model(path: str | Path) -> PreTrainedModel:

@@ -10,14 +10,14 @@ from typing import Literal
 from dagster import ConfigurableResource, InitResourceContext
 from transformers import PreTrainedTokenizerBase
 
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import check_recording
 from prodrl_pipeline.engine.sampler import TorchEngine
-from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.evals.gate import check_gate_settings
-from prodrl_pipeline.model import TinyQwen3Config
+from prodrl_pipeline.model import TinyQwen3Config, pad_id
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.trainer import TrainerConfig
@@ -42,7 +42,9 @@ class LabResource(ConfigurableResource):
     """Everything a lab round needs besides storage. Defaults are the embedded CPU lab."""
 
     source: Literal["lab", "production"] = "lab"
-    """Where a round's trajectories come from: the chess lab, or the capture gateway's landing tables."""
+    """Where a round's trajectories come from: the chess lab, or the capture gateway's landing tables.
+    Production starts from `base_checkpoint` and uses nothing of the lab: no warm start, no held-out
+    evaluation and no deploy gate yet (every candidate is deployed without evaluation)."""
     experiment: str = "main"
     """Name of the run; checkpoints and deployments are versioned under it."""
     schedule: Literal["sync", "async1"] = "sync"
@@ -57,7 +59,8 @@ class LabResource(ConfigurableResource):
     data_dir: str = "data"
     """Shipped puzzles (Lichess CSV) and tokenizer."""
     base_checkpoint: str = ""
-    """An HF checkpoint directory to start from instead of building the tiny model (production)."""
+    """An HF checkpoint directory (weights and tokenizer) to start from instead of building the tiny
+    model; required with source production."""
     hidden_size: int = 128
     num_layers: int = 3
     num_heads: int = 4
@@ -188,6 +191,11 @@ class LabResource(ConfigurableResource):
                 build()
             except ValueError as e:
                 raise ValueError(f"the {what} settings ({', '.join(settings.split())}): {e}") from e
+        if self.source == "production" and not self.base_checkpoint:
+            raise ValueError(
+                "source production starts from the deployment's own model: set base_checkpoint to its "
+                "HF checkpoint directory (weights and tokenizer)"
+            )
         for name in ("eval_puzzles", "trainer_processes", "mismatch_warn", "staleness_warn"):
             if not getattr(self, name) >= 0:  # NaN fails too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -243,6 +251,15 @@ class LabResource(ConfigurableResource):
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return _tokenizer(self.tokenizer_path())
 
+    def pad_id(self) -> int:
+        """The tokenizer's pad id, else its end-of-sequence id (`prodrl_pipeline.model.pad_id`)."""
+        return pad_id(self.tokenizer())
+
+    def evaluated(self) -> bool:
+        """Whether deployments are evaluated on the held-out puzzles and gated on them: in the lab
+        only. Production has no gate yet: its candidates go live without evaluation."""
+        return self.source == "lab"
+
     def puzzles(self, split: Literal["train", "warmup", "heldout"]) -> tuple[Puzzle, ...]:
         return _puzzles(self.data_dir, split)
 
@@ -252,7 +269,7 @@ class LabResource(ConfigurableResource):
         return TorchEngine(
             load_deployment(deployment_path),
             tok.eos_token_id,
-            tok.pad_token_id,
+            pad_id(tok),
             self.top_logprobs,
             self.extra_samples,
         )

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 import torch
 
-from prodrl_pipeline.envs.chat import load_tokenizer
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 

@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 from dagster import AssetKey, Definitions, instance_for_test, materialize
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from assets.advantages import advantages
 from assets.base_model import base_model
@@ -16,6 +17,8 @@ from assets.eval_report import eval_report
 from assets.partitions import round_key
 from assets.torchrun import trainer_pod_spec
 from assets.trajectories import trajectories
+from prodrl_pipeline.chat.render import load_tokenizer
+from prodrl_pipeline.model import SIZES, TinyQwen3Config, build_model
 from prodrl_pipeline.records.registry import BASE, lookup, register_checkpoint
 from prodrl_pipeline.rl.checkpoint import META_FILE
 from resources.lab import LabResource
@@ -40,7 +43,25 @@ TINY = dict(
 """Lab settings small enough for a round in seconds."""
 
 
+def user_checkpoint(
+    folder: Path, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None
+) -> Path:
+    """An HF checkpoint as a deployment's owner hands one over: `model` (default: a tiny random Qwen3
+    of `tokenizer`'s vocabulary) and `tokenizer`."""
+    tokenizer.save_pretrained(folder)
+    if model is None:
+        sizes = TinyQwen3Config(**{k: v for k, v in TINY.items() if k in SIZES})
+        model = build_model(sizes, len(tokenizer), tokenizer.pad_token_id)
+    model.save_pretrained(folder)
+    return folder
+
+
 def _resources(root, **lab_overrides):
+    """Store and lab at `root`. Production starts from an HF checkpoint: unless `base_checkpoint`
+    is given, a tiny random model with the lab's tokenizer (`user_checkpoint`, in `root`)."""
+    if lab_overrides.get("source") == "production" and "base_checkpoint" not in lab_overrides:
+        folder = user_checkpoint(Path(root) / "user-model", load_tokenizer("data/tokenizer"))
+        lab_overrides["base_checkpoint"] = str(folder)
     return {"store": StoreResource(root=str(root)), "lab": LabResource(**{**TINY, **lab_overrides})}
 
 

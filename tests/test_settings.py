@@ -19,6 +19,7 @@ from resources.settings import resources_from_environment, settings_from_environ
 PRODUCTION = """
 lab:
   source: production
+  base_checkpoint: /srv/models/base
   experiment: prod-1
   gate_margin: 0.01
 store:
@@ -38,6 +39,7 @@ def test_a_settings_file_selects_production_its_experiment_thresholds_and_store(
     resources = resources_from_environment({"PRODRL_SETTINGS": str(path)})
     lab = resources["lab"]
     assert (lab.source, lab.experiment, lab.gate_margin) == ("production", "prod-1", 0.01)
+    assert lab.tokenizer_path() == "/srv/models/base"  # the deployment's own, not the lab's
     assert resources["store"].root == str(tmp_path / "store")
 
 
@@ -63,6 +65,7 @@ def test_a_settings_file_selects_production_its_experiment_thresholds_and_store(
         ("lab:\n  mismatch_warn: .nan\n", "mismatch_warn must be >= 0"),
         ("lab:\n  steps: 0\n", "lab: "),
         ("lab:\n  top_p: 0\n", "top_p must be in"),
+        ("lab:\n  source: production\n", "set base_checkpoint"),  # production has no lab model
     ],
 )
 def test_a_bad_settings_file_is_refused_naming_what_is_wrong(tmp_path, text, named):
@@ -95,7 +98,8 @@ def test_the_code_location_reads_the_settings_file(tmp_path):
 def test_the_gateway_serves_the_settings_store_tokenizer_and_recorded_head(tmp_path):
     path = tmp_path / "production.yaml"
     path.write_text(
-        f"lab:\n  source: production\n  top_logprobs: 8\nstore:\n  root: {tmp_path / 'store'}\n"
+        "lab:\n  source: production\n  base_checkpoint: /srv/models/base\n  top_logprobs: 8\n"
+        f"store:\n  root: {tmp_path / 'store'}\n"
         "sensor:\n  minimum_interval_seconds: 5\n"
     )
     args, env = gateway_env({"PRODRL_SETTINGS": str(path)})
@@ -104,7 +108,7 @@ def test_the_gateway_serves_the_settings_store_tokenizer_and_recorded_head(tmp_p
         "--root",
         str(tmp_path / "store"),
         "--tokenizer",
-        "data/tokenizer",
+        "/srv/models/base",
         "--top-logprobs",
         "8",
         "--extra-samples",

@@ -19,13 +19,19 @@ import pytest
 import yaml
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, RunsFilter
 
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.evals.gate import paired_difference
+from prodrl_pipeline.evals.heldout import evaluate
 from prodrl_pipeline.gateway.process import GatewayProcess
+from prodrl_pipeline.model import build_model
+from prodrl_pipeline.records.registry import lookup
 from prodrl_pipeline.records.store import DeltaStore
+from prodrl_pipeline.rl.warmstart import solved_turns, warm_start
 from prodrl_pipeline.simulate import SimulationConfig, SimulationReport, simulate
+from resources.lab import LabResource
 from tests.gateway.conftest import FEEDBACK_KEY, SERVE_KEY
-from tests.test_pipeline import TINY
+from tests.test_pipeline import TINY, user_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 DAGSTER = [sys.executable, "-m", "dagster"]
@@ -40,18 +46,13 @@ class Run:
     instance_home: Path
     seconds: float
     rows: list[dict] = field(default_factory=list)
-    """Per round: traffic served by, live after, held-out rate, calls lost / duplicated."""
+    """Per round: traffic served by, live after, calls lost / duplicated."""
 
 
 def _settings(tmp: Path, schedule: str, lab: dict) -> Path:
     path = tmp / "production.yaml"
     settings = {
-        "lab": {
-            "source": "production",
-            "schedule": schedule,
-            "data_dir": str(REPO / "data"),
-            **lab,
-        },
+        "lab": {"source": "production", "schedule": schedule, **lab},
         "store": {"root": str(tmp / "store")},
         "sensor": {"minimum_interval_seconds": 1},
     }
@@ -89,7 +90,8 @@ def run_unattended(
     **lab,
 ) -> Run:
     """Start everything, wait for `rounds` rounds, stop everything; the simulator stops starting
-    episodes once the last round has taken its traffic (so no further round can start)."""
+    episodes once the last round has taken its traffic (so no further round can start). `lab` names
+    the `base_checkpoint`, whose tokenizer the gateway serves."""
     t0 = time.monotonic()
     home = tmp / "dagster_home"
     home.mkdir()
@@ -111,9 +113,8 @@ def run_unattended(
 
     store_root = tmp / "store"
     keys = {"PRODRL_API_KEYS": SERVE_KEY, "PRODRL_FEEDBACK_KEYS": FEEDBACK_KEY}
-    gateway = GatewayProcess(
-        store_root, "--follow-seconds", "0.5", "--drain-seconds", "2", "--flush-seconds", "0.2", env=keys
-    ).start()
+    follow = ["--follow-seconds", "0.5", "--drain-seconds", "2", "--flush-seconds", "0.2"]
+    gateway = GatewayProcess(store_root, "--tokenizer", lab["base_checkpoint"], *follow, env=keys).start()
     with (tmp / "daemon.log").open("w") as log:
         daemon = subprocess.Popen(
             [str(Path(sys.executable).parent / "dagster-daemon"), "run", *location],
@@ -175,7 +176,6 @@ def _account(run: Run, rounds: int) -> None:
     assert sorted(f["trajectory_id"] for f in feedback) == sorted(report.rewarded)
     by_call = {c["call_id"]: c for c in landed}
     taken: Counter = Counter()
-    deployments = {d["round"]: d for d in store.read("deployments").to_pylist()}
     with DagsterInstance.from_config(str(run.instance_home)) as instance:
         live_after = {k: _deployment_metadata(instance, k)["live_now"].value for k in range(1, rounds + 1)}
     for k in range(1, rounds + 1):
@@ -198,7 +198,6 @@ def _account(run: Run, rounds: int) -> None:
                 "trajectories": len(trajs),
                 "calls": len(calls),
                 "live after": live_after[k],
-                "held-out rate (candidate)": round(_heldout_rate(store, deployments[k]["deployment_id"]), 3),
                 "lost": expected - len(calls),
                 "duplicated": len(calls) - len({c["call_id"] for c in calls}),
             }
@@ -213,14 +212,24 @@ def _deployment_metadata(instance: DagsterInstance, k: int) -> dict:
     return records[0].asset_materialization.metadata
 
 
+def _lab_model(folder: Path) -> Path:
+    """The lab's base model (its default size, warm-started as the lab's `base_model` does) as a
+    deployment's owner would hand it over: an HF checkpoint with the lab's tokenizer."""
+    lab = LabResource(data_dir=str(REPO / "data"))
+    tok, cfg = lab.tokenizer(), lab.warm_start()
+    model = build_model(lab.tiny_model(), len(tok), tok.pad_token_id)
+    warm_start(model, solved_turns(tok, cfg.demonstrations(lab.puzzles("warmup"))), cfg, tok.pad_token_id)
+    return user_checkpoint(folder, tok, model)
+
+
 def _solved(store: DeltaStore, deployment_id: str) -> dict[str, bool]:
-    rows = store.read("eval_results").to_pylist()
-    return {r["puzzle_id"]: r["solved"] for r in rows if r["deployment_id"] == deployment_id}
-
-
-def _heldout_rate(store: DeltaStore, deployment_id: str) -> float:
-    solved = _solved(store, deployment_id)
-    return sum(solved.values()) / len(solved)
+    """The deployment's greedy held-out results, evaluated here: production mode evaluates nothing."""
+    lab = LabResource(data_dir=str(REPO / "data"))
+    path = lookup(store, "deployments", "deployment_id", deployment_id)["path"]
+    rows = evaluate(
+        lab.engine(path), lab.tokenizer(), lab.puzzles("heldout"), deployment_id=deployment_id, round_=0
+    )
+    return {r["puzzle_id"]: r["solved"] for r in rows}
 
 
 def _print(run: Run, schedule: str) -> None:
@@ -233,7 +242,10 @@ def _print(run: Run, schedule: str) -> None:
 
 
 def test_two_production_rounds_run_by_themselves_and_account_for_every_call(tmp_path):
-    run = run_unattended(tmp_path, rounds=2, **{**TINY, "steps": 2, "batch_size": 4, "gate_margin": 1.0})
+    base = user_checkpoint(tmp_path / "model", load_tokenizer(REPO / "data" / "tokenizer"))
+    run = run_unattended(
+        tmp_path, rounds=2, **{**TINY, "steps": 2, "batch_size": 4}, base_checkpoint=str(base)
+    )
     _account(run, 2)
     _print(run, "sync")
     served = [r["traffic served by"] for r in run.rows]
@@ -249,12 +261,22 @@ def test_two_production_rounds_run_by_themselves_and_account_for_every_call(tmp_
 
 @pytest.mark.slow
 def test_a_longer_unattended_async_run_raises_the_heldout_rate_on_simulated_traffic(tmp_path):
-    """The lab's model and deploy gate, one-round asynchrony, 4 rounds of 8 x 32 on simulated
-    users: collection of round k+1 overlaps training of round k (policy lag >= S on some round),
-    and the live deployment solves more held-out puzzles than the base (paired, 95%)."""
+    """The lab's warm-started model as the deployment's checkpoint, one-round asynchrony, 4 rounds
+    of 8 x 32 on simulated users: collection of round k+1 overlaps training of round k (policy lag
+    >= S on some round), and the last live deployment solves more held-out puzzles than the base
+    (paired, 95%)."""
     steps = 8
+    base = _lab_model(tmp_path / "model")
     run = run_unattended(
-        tmp_path, 4, "async1", timeout=3000, users=4, think_seconds=1.0, steps=steps, batch_size=32
+        tmp_path,
+        4,
+        "async1",
+        timeout=3000,
+        users=4,
+        think_seconds=1.0,
+        steps=steps,
+        batch_size=32,
+        base_checkpoint=str(base),
     )
     _account(run, 4)
     _print(run, "async1")

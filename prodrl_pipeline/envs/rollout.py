@@ -16,10 +16,11 @@ from datetime import UTC, datetime
 
 from transformers import PreTrainedTokenizerBase
 
+from prodrl_pipeline.chat.render import render_ids
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.engine.sampler import TorchEngine
-from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
+from prodrl_pipeline.envs.chat import parse_assistant_text
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint

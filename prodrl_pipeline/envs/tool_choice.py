@@ -1,10 +1,10 @@
 """Tool calls as structured outputs: the completions a required tool call may take, as a
-`ChoiceConstraint` over the chat format's tool-call ids.
+`ChoiceConstraint` over the model family's own tool-call ids (`chat.tool_calls.call_ids`: the
+template's rendering of the call, so a re-sent call extends the prompt it was served with).
 
 The lab asks for `move({"move": m})` with m among the legal moves; the gateway asks for the same
 when a client sends `tool_choice` with tools whose one parameter is a string `enum` (the only
-argument schema a choice constraint expresses exactly). The format's markers (`<tool_call>`,
-`</tool_call>`, `<|im_end|>`) are the only special tokens; names and values are plain text.
+argument schema a choice constraint expresses exactly). Names and values are plain text.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
+from prodrl_pipeline.chat.tool_calls import call_ids
 from prodrl_pipeline.engine.constraints import ChoiceConstraint
-from prodrl_pipeline.envs.chat import IM_END, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, plain_ids, tool_call_prefix
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MAX_CHOICES, MAX_CHOICE_CHARS = 1000, 256  # bounds on a client's enum: OpenAI's count, a length
@@ -28,16 +28,7 @@ def _call_ids(
 ) -> tuple[int, ...]:
     if not TOOL_NAME.fullmatch(tool_name):
         raise ValueError(f"tool name {tool_name!r} is not 1-64 characters of [A-Za-z0-9_-]")
-    body = tool_call_prefix(tool_name).removeprefix(TOOL_CALL_OPEN)
-    body += json.dumps({argument: value}, ensure_ascii=False) + "}"
-    markers = []
-    for token in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, IM_END):
-        i = tokenizer.convert_tokens_to_ids(token)
-        if i is None or (i == tokenizer.unk_token_id and token != tokenizer.unk_token):
-            raise ValueError(f"the tokenizer has no {token} token: tool calls cannot be constrained")
-        markers.append(i)
-    (text,) = plain_ids(tokenizer, [body])
-    return (markers[0], *text, markers[1], markers[2])
+    return call_ids(tokenizer, tool_name, json.dumps({argument: value}, ensure_ascii=False))
 
 
 @lru_cache(maxsize=1 << 16)

@@ -13,6 +13,12 @@ import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
+NO_GATE = "no production gate yet: the candidate is deployed without evaluation"
+"""The deploy gate's verdict in production mode: it passes, judging nothing (the lab's held-out
+puzzles are not a production deployment's task; a gate on live traffic is still to be built)."""
+NO_EVALUATION = "none in production mode: there is no production gate yet, deployments go live unevaluated"
+"""What production mode reports where the lab reports held-out solve rates."""
+
 
 @dataclass(frozen=True)
 class GateResult:

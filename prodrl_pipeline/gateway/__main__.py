@@ -21,16 +21,17 @@ from fastapi import FastAPI
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from prodrl_pipeline.artifacts import Artifacts, storage_options_from_environment
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.engine.vllm import VLLMEngine
 from prodrl_pipeline.engine.vllm_server import served_label, swap, weight_label
-from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.gateway.app import create_app
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower, Loaded, smoke_check
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.serving import GatewayConfig, Serving, expire_unscored
 from prodrl_pipeline.gateway.sessions import SessionIndex
+from prodrl_pipeline.model import pad_id
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import lookup
 from prodrl_pipeline.records.store import DeltaStore
@@ -51,7 +52,7 @@ def embedded_loader(
         engine = TorchEngine(
             load_deployment(path),
             tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
+            pad_id(tokenizer),
             args.top_logprobs,
             args.extra_samples,
         )

@@ -3,9 +3,9 @@
 Endpoints: /v1/chat/completions (tools, `stream`), /v1/completions (text or token-id prompts),
 /v1/models, /v1/feedback (late reward), /healthz, /metrics. A trajectory is a session: the client
 names it with the `X-Prodrl-Trajectory-Id` header, `metadata.trajectory_id`, or `user` (first
-found); a call without one is a single-call trajectory. Every response carries the ids to send
-feedback for (`prodrl` field, `X-Prodrl-Trajectory-Id` / `X-Prodrl-Call-Id` headers). A call is in
-the landing spool before its response is sent.
+found; any string, kept exactly); a call without one is a single-call trajectory. Every response
+carries the ids to send feedback for (`prodrl` field, `X-Prodrl-Trajectory-Id` (percent-encoded) /
+`X-Prodrl-Call-Id` headers). A call is in the landing spool before its response is sent.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from prodrl_pipeline.chat.render import TemplateError, render_ids
+from prodrl_pipeline.chat.tool_calls import tool_call_format
 from prodrl_pipeline.engine.constraints import ConstraintError
 from prodrl_pipeline.engine.rows import Completion
-from prodrl_pipeline.envs.chat import parse_assistant_text, render_ids
 from prodrl_pipeline.gateway.errors import error_response, validation_error
 from prodrl_pipeline.gateway.guard import Guard
 from prodrl_pipeline.gateway.protocol import (
@@ -38,7 +39,7 @@ from prodrl_pipeline.gateway.responses import (
     text_of,
     usage,
 )
-from prodrl_pipeline.gateway.serving import CALL_HEADER, TRAJECTORY_HEADER, Serving
+from prodrl_pipeline.gateway.serving import Serving, id_headers
 
 
 def create_app(serving: Serving) -> FastAPI:
@@ -144,15 +145,23 @@ def create_app(serving: Serving) -> FastAPI:
                 "parallel_tool_calls",
                 "parallel_tool_calls: false is enforced with tool_choice required or named",
             )
+        fmt = tool_call_format(tokenizer)
+        if req.tools and fmt is None:
+            raise ParamError(
+                "tools", "this model's chat template renders no tool definitions: tools cannot be served"
+            )
         call_id = uuid.uuid4().hex
         tid = serving.open_trajectory(req, x_prodrl_trajectory_id, call_id)
-        try:  # user text stays text: only the template's markers are special tokens
+        try:  # user text stays text: only the template's markers are control tokens
             messages = [m.for_template() for m in req.messages]
             prompt_ids = await asyncio.to_thread(render_ids, tokenizer, messages, tools=req.tools)
+        except TemplateError as e:
+            raise ParamError("messages", str(e)) from e
         except Exception as e:  # a template error is the request's fault
             raise ParamError("messages", f"messages do not render with the chat template: {e}") from e
         json_reply = req.response_format is not None and req.response_format.type != "text"
-        headers = {TRAJECTORY_HEADER: tid, CALL_HEADER: call_id}
+        calls = fmt if req.tools and req.tool_choice != "none" and not json_reply else None
+        headers = id_headers(tid, call_id)
         ids = {"trajectory_id": tid, "call_id": call_id, "prompt_token_ids": prompt_ids}
         created = int(time.time())
 
@@ -160,10 +169,10 @@ def create_app(serving: Serving) -> FastAPI:
             """The assistant message, finish reason and logprobs of a finished completion."""
             text = text_of(tokenizer, c)
             text = cut_at_stop(text, req.stop) if c.finish_reason == "stop" else text
-            if req.tool_choice == "none" or json_reply:  # the text as it is, tool-call markup included
+            if calls is None:  # the text as it is, tool-call markup included
                 message = {"role": "assistant", "content": text}
             else:
-                message = parse_assistant_text(text, call_id_prefix=f"call_{call_id[:12]}")
+                message = calls.parse(text, call_id_prefix=f"call_{call_id[:12]}")
             tool_calls = bool(message.get("tool_calls"))
             finish = "tool_calls" if tool_calls else ("stop" if c.finish_reason == "stop" else "length")
             logprobs = (
@@ -177,7 +186,18 @@ def create_app(serving: Serving) -> FastAPI:
             if req.stream:
                 return StreamingResponse(
                     serving.stream_chat(
-                        dep, req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply
+                        dep,
+                        req,
+                        call_id,
+                        tid,
+                        prompt_ids,
+                        params,
+                        constraint,
+                        messages,
+                        ids,
+                        created,
+                        reply,
+                        calls,
                     ),
                     media_type="text/event-stream",
                     headers=headers,
@@ -257,7 +277,7 @@ def create_app(serving: Serving) -> FastAPI:
                 "usage": usage(prompt_ids, c),
                 "prodrl": ids,
             },
-            headers={TRAJECTORY_HEADER: tid, CALL_HEADER: call_id},
+            headers=id_headers(tid, call_id),
         )
         if await request.is_disconnected():
             metrics.counts["client_gone"] += 1

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_STOP, MAX_STOP_CHARS = 4, 128  # stop sequences: OpenAI's count; a length bound on their check
 MAX_LOGIT_BIAS = 300  # tokens per call: a bound on what each recorded call carries
 MIN_TEMPERATURE = 0.01  # below (except 0, greedy) logits / T overflow into NaN
+MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits on `metadata`
 
 
 class ParamError(ValueError):
@@ -73,7 +74,8 @@ class SamplingFields(Strict):
     n: int = Field(1, ge=1, le=1, description="one choice per call: each call is one recorded sample")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=256)
+    user: str | None = None
+    """Any string (OpenAI sets no length limit; the body limit bounds it); a trajectory id."""
     metadata: dict[str, str] | None = None
     # OpenAI parameters honoured only at their neutral value: each would change mu in a way the
     # recorded columns cannot express (penalties reshape it) or is not one recorded sample
@@ -115,10 +117,24 @@ class SamplingFields(Strict):
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         return v
 
-    @field_validator("model")
+    @field_validator("model", "user")
     @classmethod
-    def _model(cls, v: str | None) -> str | None:
-        return _utf8(v, "model")
+    def _name(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return _utf8(v, info.field_name)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's limits: at most 16 pairs, keys of at most 64 characters, values of at most 512."""
+        if v is not None and (
+            len(v) > MAX_METADATA
+            or any(len(k) > MAX_METADATA_KEY or len(x) > MAX_METADATA_VALUE for k, x in v.items())
+        ):
+            raise ValueError(
+                f"metadata takes at most {MAX_METADATA} pairs, keys of at most {MAX_METADATA_KEY} "
+                f"characters and values of at most {MAX_METADATA_VALUE}"
+            )
+        return _utf8(v, "metadata")
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -160,17 +176,25 @@ class TextPart(Strict):
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    reasoning_content: str | None = None
+    """An assistant turn's reasoning, as vLLM returns it (`reasoning` is its newer name): given to the
+    template, which renders or drops it as the model was trained (Qwen3 drops earlier turns')."""
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: None = None  # the chat template does not render participant names
     refusal: None = None  # clients replaying an assistant turn send it as null
 
     def for_template(self) -> dict:
-        """The message as the chat template expects it (text parts joined)."""
+        """The message as the chat template expects it: text parts joined, null content kept null (a
+        template may tell it from "": DeepSeek renders a turn's tool calls only without content)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
         if self.tool_calls:
             out["tool_calls"] = [tc.model_dump(exclude_none=True) for tc in self.tool_calls]
         if self.tool_call_id:
@@ -258,10 +282,16 @@ class CompletionRequest(SamplingFields):
 
 
 class FeedbackRequest(Strict):
-    trajectory_id: str = Field(min_length=1, max_length=256)
+    trajectory_id: str = Field(min_length=1)
+    """Exactly as the calls named it (any string; the body limit bounds it)."""
     reward: float
     comment: str | None = Field(None, max_length=10_000)
     overwrite: bool = False
+
+    @field_validator("trajectory_id", "comment")
+    @classmethod
+    def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return _utf8(v, info.field_name)
 
     @field_validator("reward")
     @classmethod

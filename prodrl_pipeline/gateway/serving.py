@@ -14,16 +14,17 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from urllib.parse import quote, unquote
 
 from fastapi import HTTPException
 from transformers import PreTrainedTokenizerBase
 
+from prodrl_pipeline.chat.tool_calls import ToolCallFormat
 from prodrl_pipeline.engine.constraints import Constraint
 from prodrl_pipeline.engine.grammar import GrammarConstraint
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Completion
 from prodrl_pipeline.engine.rows import Request as EngineRequest
-from prodrl_pipeline.envs.chat import TOOL_CALL_OPEN
 from prodrl_pipeline.envs.tool_choice import required_tool_call
 from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower, Loaded
 from prodrl_pipeline.gateway.landing import LandingLog
@@ -32,7 +33,29 @@ from prodrl_pipeline.gateway.responses import Ending, TokenFeed, chat_stream, st
 from prodrl_pipeline.gateway.sessions import EXPIRED_TABLE, SessionIndex
 
 TRAJECTORY_HEADER, CALL_HEADER = "X-Prodrl-Trajectory-Id", "X-Prodrl-Call-Id"
-TRAJECTORY_ID = re.compile(r"[A-Za-z0-9_.:-]{1,256}")  # safe in headers, paths and SQL predicates
+HEADER_ID_BYTES = 2048  # a longer escaped id is left out of the response header (proxies' header buffers)
+BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
+def id_headers(tid: str, call_id: str) -> dict[str, str]:
+    """A response's id headers: the trajectory id percent-encoded as UTF-8 (every byte but
+    A-Z a-z 0-9 - . _ ~ : as %XX; `urllib.parse.unquote` decodes it), left out when that is over
+    HEADER_ID_BYTES (the body's `prodrl.trajectory_id` always carries the id)."""
+    headers = {CALL_HEADER: call_id}
+    if len(escaped := quote(tid, safe=":")) <= HEADER_ID_BYTES:
+        headers[TRAJECTORY_HEADER] = escaped
+    return headers
+
+
+def header_id(value: str) -> str:
+    """The trajectory id a request's header names: ASCII with percent-escapes of UTF-8, decoded (the
+    response header's own form, so it can be sent back as it came); 400 otherwise."""
+    if not value.isascii() or BAD_ESCAPE.search(value):
+        raise HTTPException(400, f"{TRAJECTORY_HEADER}: percent-encode the id as UTF-8 (a % starts %XX)")
+    try:
+        return unquote(value, errors="strict")
+    except UnicodeDecodeError as e:
+        raise HTTPException(400, f"{TRAJECTORY_HEADER}: its escapes are not UTF-8") from e
 
 
 @dataclass(frozen=True)
@@ -117,18 +140,10 @@ class Serving:
 
     @staticmethod
     def trajectory_of(req: SamplingFields, header: str | None, call_id: str) -> str:
-        given = [
-            (TRAJECTORY_HEADER, header),
-            ("metadata.trajectory_id", (req.metadata or {}).get("trajectory_id")),
-            ("user", req.user),
-        ]
-        for name, tid in given:
-            if tid is None or tid == "":
-                continue
-            if not TRAJECTORY_ID.fullmatch(tid):
-                raise HTTPException(400, f"{name}: a trajectory id is 1-256 characters of [A-Za-z0-9_.:-]")
-            return tid
-        return call_id
+        """The first non-empty of the header (decoded), `metadata.trajectory_id` and `user`, exactly
+        as given: kept as data (headers carry it escaped), else the call id."""
+        given = (header_id(header) if header else None, (req.metadata or {}).get("trajectory_id"), req.user)
+        return next((tid for tid in given if tid), call_id)
 
     def sampling(
         self, dep: Loaded, prompt_ids: list[int], req: SamplingFields, prompt_param: str
@@ -255,7 +270,7 @@ class Serving:
             raise ParamError("tool_choice", str(e)) from e
 
     def stream_chat(
-        self, dep, req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply
+        self, dep, req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply, calls
     ):  # noqa: ANN001, ANN202, PLR0913
         """The SSE body of a streamed chat call: tokens as the engine produces them (an engine
         without per-token callbacks streams its finished completion); the call is recorded when
@@ -309,10 +324,15 @@ class Serving:
             end,
             abandon,
             stops=req.stop,
-            tool_open=None
-            if req.tool_choice == "none"
-            else self.tokenizer.convert_tokens_to_ids(TOOL_CALL_OPEN),
+            tool_open=_opening_id(self.tokenizer, calls),
         )
+
+
+def _opening_id(tokenizer: PreTrainedTokenizerBase, calls: ToolCallFormat | None) -> int | None:
+    """The token a streamed reply's text is held back from (the family's call marker), if it parses calls."""
+    if calls is None or calls.open_marker is None:
+        return None
+    return tokenizer.convert_tokens_to_ids(calls.open_marker)
 
 
 def expire_unscored(landing: LandingLog | None, sessions: SessionIndex) -> int:

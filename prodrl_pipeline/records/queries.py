@@ -47,6 +47,15 @@ def round_summary(store: DeltaStore, experiment: str) -> list[dict]:
     return run_sql(store, "round_summary", tables, experiment=experiment).to_pylist()
 
 
+def training_summary(store: DeltaStore, experiment: str) -> list[dict]:
+    """Per-round train reward and mismatch of the rounds one experiment trained (production mode:
+    no held-out solve rate); empty until one round has trained."""
+    tables = ["trajectories", "train_steps"]
+    if not all(store.exists(t) for t in tables):
+        return []
+    return run_sql(store, "training_summary", tables, experiment=experiment).to_pylist()
+
+
 def stored_results(store: DeltaStore, deployment_id: str) -> list[dict]:
     """The latest stored held-out evaluation of a deployment, one row per puzzle (empty if never
     evaluated)."""

@@ -28,7 +28,7 @@ from difflib import SequenceMatcher
 
 from transformers import PreTrainedTokenizerBase
 
-from prodrl_pipeline.envs.chat import render_ids
+from prodrl_pipeline.chat.render import render_ids
 
 NAN = math.nan
 

@@ -24,7 +24,7 @@ import chess
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from prodrl_pipeline.envs.chat import render_ids
+from prodrl_pipeline.chat.render import render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode, move_text, tool_call_message
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.envs.tool_choice import tool_call_ids, tool_choice_constraint

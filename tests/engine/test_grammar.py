@@ -2,12 +2,12 @@ import json
 
 import pytest
 
+from prodrl_pipeline.chat.render import render_ids
 from prodrl_pipeline.engine.constraints import ConstraintError
 from prodrl_pipeline.engine.grammar import GrammarConstraint
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.engine.sampler import TorchEngine
-from prodrl_pipeline.envs.chat import render_ids
 from tests.conftest import logprob_tolerance
 
 SCHEMA = {

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
+from prodrl_pipeline.chat.render import render_ids
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.engine.sampler import PREFILL_ROWS, TorchEngine, draw
-from prodrl_pipeline.envs.chat import render_ids
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
 from tests.conftest import logprob_tolerance

@@ -1,8 +1,8 @@
 import chess
 import pytest
 
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.envs import lab_data
-from prodrl_pipeline.envs.chat import load_tokenizer
 from prodrl_pipeline.envs.chess_env import legal_move_texts
 from prodrl_pipeline.envs.lab_data import (
     SPLIT_CSV,

@@ -124,9 +124,13 @@ def _landed_after_an_outage(tmp_path, calls: list[dict]) -> list[dict]:
 
 def test_a_backlog_beyond_the_held_segments_is_read_back_and_lands_exactly_as_appended(tmp_path):
     """Segments whose rows are held in memory and segments read back from the spool (a backlog
-    while Delta refuses commits) land the same rows, once each."""
+    while Delta refuses commits) land the same rows, once each, trajectory ids of any text included."""
     calls = [
-        {**_call(i), "sampling": {**_call(i)["sampling"], "logit_bias": [{"token_id": i, "bias": -1.5}]}}
+        {
+            **_call(i),
+            "trajectory_id": f"ü {i}@example.com\r\n\"'; --",
+            "sampling": {**_call(i)["sampling"], "logit_bias": [{"token_id": i, "bias": -1.5}]},
+        }
         for i in range(HELD_SEGMENTS + 3)
     ]
     landed = _landed_after_an_outage(tmp_path, calls)

@@ -1,32 +1,81 @@
-"""Production path: gateway traffic + late rewards -> the `trajectories` asset's snapshot -> a round."""
+"""Production path: a model of the deployment's own (no lab in it) -> gateway traffic + late rewards
+-> the `trajectories` asset's snapshot -> a round, deployed with no gate yet."""
 
 import httpx
 from dagster import AssetKey, instance_for_test, materialize
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from assets.base_model import base_model
 from assets.partitions import round_key
+from prodrl_pipeline.evals.gate import NO_EVALUATION, NO_GATE
 from prodrl_pipeline.records.store import DeltaStore
 from tests.gateway.conftest import FEEDBACK_KEY, SERVE_KEY, Gateway
-from tests.test_pipeline import ASSETS, ROUND, _resources
+from tests.test_pipeline import ASSETS, ROUND, _resources, user_checkpoint
+
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m.role }}\n{{ m.content }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+)
+CHESS = ("heldout", "solve", "mate", "puzzle")
+"""What of the lab's evaluation a production asset's metadata must not name."""
+
+# trajectory ids as clients send them: plain in the header, any text as `user`
+TIDS = [f"t{i}" if i % 2 else f"ü {i}@example.com\r\n'; --" for i in range(10)]
 
 
-def test_a_round_trains_on_recorded_production_traffic(tmp_path):
-    resources = _resources(tmp_path, source="production", steps=2, batch_size=4)
+def plain_tokenizer() -> PreTrainedTokenizerFast:
+    """A model family's tokenizer unlike the lab's: a small byte-level BPE trained here, a plain chat
+    template, no tool-call tokens and no pad token (as Llama 3's)."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|start|>", "<|eot|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(["a user asks for a task, turn by turn, and the model answers"] * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|eot|>", chat_template=PLAIN_TEMPLATE)
+
+
+def _metadata(instance, asset: str) -> dict:
+    return instance.get_latest_materialization_event(AssetKey(asset)).asset_materialization.metadata
+
+
+def test_a_round_trains_on_recorded_production_traffic(tmp_path, monkeypatch):
+    """The base is a checkpoint whose tokenizer has neither `<tool_call>` nor a pad token: it is
+    deployed and served, and a round trains on its traffic and deploys with the gate off, without
+    reading a puzzle or evaluating anything."""
+    tok = plain_tokenizer()
+    assert tok.pad_token_id is None and "<tool_call>" not in tok.get_vocab()
+    model = user_checkpoint(tmp_path / "model", tok)
+    resources = _resources(tmp_path, source="production", base_checkpoint=str(model), steps=2, batch_size=4)
+
+    def no_puzzles(*args):
+        raise AssertionError("production mode read the lab's puzzles")
+
+    monkeypatch.setattr("resources.lab._puzzles", no_puzzles)
     with instance_for_test() as instance:
         assert materialize([base_model], instance=instance, resources=resources).success
-        gw = Gateway(tmp_path).start()  # serves the live deployment: base
+        base = _metadata(instance, "base_model")
+        assert base["evaluation"].value == NO_EVALUATION and base["vocab_size"].value == len(tok)
+        assert not [k for k in base if any(word in k for word in CHESS)]
+        gw = Gateway(tmp_path, "--tokenizer", str(model)).start()  # serves the live deployment: base
         serve = {"Authorization": f"Bearer {SERVE_KEY}"}
         for i in range(10):
             for turn in range(2):
                 body = {"messages": [{"role": "user", "content": f"task {i} turn {turn}"}], "max_tokens": 6}
+                named = {"X-Prodrl-Trajectory-Id": TIDS[i]} if i % 2 else {}
                 r = httpx.post(
                     f"{gw.url}/v1/chat/completions",
-                    json=body,
-                    headers={**serve, "X-Prodrl-Trajectory-Id": f"t{i}"},
+                    json=body if i % 2 else {**body, "user": TIDS[i]},
+                    headers={**serve, **named},
                 )
                 assert r.status_code == 200
             if i < 9:  # t9 stays unscored: it must not be trained on
-                fb = {"trajectory_id": f"t{i}", "reward": float(i % 2)}
+                fb = {"trajectory_id": TIDS[i], "reward": float(i % 2)}
                 r = httpx.post(
                     f"{gw.url}/v1/feedback", json=fb, headers={"Authorization": f"Bearer {FEEDBACK_KEY}"}
                 )
@@ -34,15 +83,25 @@ def test_a_round_trains_on_recorded_production_traffic(tmp_path):
         gw.stop()
 
         instance.add_dynamic_partitions("rounds", [round_key(1)])
-        assert materialize(
+        result = materialize(
             ASSETS, selection=ROUND, partition_key=round_key(1), instance=instance, resources=resources
-        ).success
+        )
+        assert result.success
+        (gate,) = [e for e in result.get_asset_check_evaluations() if e.check_name == "deploy_gate"]
+        assert gate.passed and gate.description == NO_GATE
+        assert gate.metadata["gate"].value == "off"
+        deployed, report = _metadata(instance, "deployment"), _metadata(instance, "eval_report")
+        assert deployed["moved_live"].value and deployed["evaluation"].value == NO_EVALUATION
+        assert report["evaluation"].value == NO_EVALUATION
+        assert not [k for k in (*deployed, *report) if any(word in k for word in CHESS)]
+        assert not any(word in report["rounds"].value for word in CHESS)  # the per-round table
+        assert report["train_reward"].value == 0.5  # rewards 0, 1, 0, 1, ... of t0..t7
         tables = DeltaStore(tmp_path / "tables")
+        assert not tables.exists("eval_results")
         trajs = tables.read("trajectories", 1).to_pylist()
         assert len(trajs) == 8 and {t["source"] for t in trajs} == {"production"}
-        assert {t["deployment_id"] for t in trajs} == {"base"} and "t9" not in {
-            t["trajectory_id"] for t in trajs
-        }
+        assert {t["deployment_id"] for t in trajs} == {"base"}
+        assert {t["trajectory_id"] for t in trajs} == set(TIDS[:8])  # the earliest, exactly as named
         assert all(t["n_calls"] == 2 for t in trajs)
         assert tables.read("calls", 1).num_rows == 16
         meta = instance.get_latest_materialization_event(

@@ -4,14 +4,16 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import quote, unquote
 
 import httpx
 import openai
 import pytest
 
-from prodrl_pipeline.envs.chat import render_ids
+from prodrl_pipeline.chat.render import render_ids
 from prodrl_pipeline.envs.chess_env import MOVE_TOOL, ChessEpisode
 from prodrl_pipeline.envs.tool_choice import tool_call_ids
+from prodrl_pipeline.gateway.serving import HEADER_ID_BYTES, TRAJECTORY_HEADER
 from prodrl_pipeline.records.store import DeltaStore
 from tests.gateway.conftest import FEEDBACK_KEY, SERVE_KEY, Gateway, make_root
 
@@ -132,6 +134,62 @@ def test_feedback_flow_and_its_status_codes(gateway):
         [(1.0, False), (0.5, True)],
         [(0.5, True), (1.0, False)],
     )
+
+
+LONG_ID = "ü 64 KB\r\n" * 6554  # 65,540 bytes of UTF-8
+ODD_IDS = [
+    "alice@example.com",
+    "user 42",
+    "süß 東京 🙂",  # named by metadata.trajectory_id below
+    "a\r\nSet-Cookie: x=1",
+    "50% off'; DROP TABLE landing_calls; --",
+    LONG_ID,
+]
+
+
+def test_any_user_string_names_its_trajectory_exactly(tmp_path, tokenizer):
+    """What OpenAI accepts as `user` (or a metadata value) names a trajectory and is kept as data: the
+    landing tables and the body hold it exactly, the header percent-encoded (left out over 2 KB), that
+    header sent back names the same trajectory, feedback by the exact id lands on it, and after a
+    restart the sessions rebuilt from the tables know it."""
+    root = make_root(tmp_path, tokenizer)
+    gw = Gateway(root).start()
+    client, feedback = _client(gw), f"{gw.url}/v1/feedback"
+    try:
+        for i, tid in enumerate(ODD_IDS):
+            named = {"metadata": {"trajectory_id": tid}} if i == 2 else {"user": tid}
+            raw = client.chat.completions.with_raw_response.create(
+                model="base", messages=[{"role": "user", "content": "x"}], max_tokens=2, **named
+            )
+            assert raw.parse().model_extra["prodrl"]["trajectory_id"] == tid
+            escaped = quote(tid, safe=":")
+            if len(escaped) > HEADER_ID_BYTES:
+                assert tid == LONG_ID and TRAJECTORY_HEADER not in raw.headers
+            else:
+                assert raw.headers[TRAJECTORY_HEADER] == escaped and unquote(escaped) == tid
+                assert escaped.isascii() and escaped.isprintable()  # no CR/LF, nothing raw
+                again = client.completions.with_raw_response.create(
+                    model="base", prompt="x", max_tokens=2, extra_headers={TRAJECTORY_HEADER: escaped}
+                )
+                assert again.parse().model_extra["prodrl"]["trajectory_id"] == tid
+            r = httpx.post(feedback, json={"trajectory_id": tid, "reward": float(i)}, headers=FEEDBACK)
+            assert r.status_code == 200 and r.json()["trajectory_id"] == tid, r.text[:200]
+    finally:
+        gw.stop()
+    tables = DeltaStore(root / "tables")
+    calls = sorted((c["trajectory_id"], c["call_index"]) for c in tables.read("landing_calls").to_pylist())
+    assert calls == sorted((t, k) for t in ODD_IDS for k in range(1 if t == LONG_ID else 2))
+    rewards = {f["trajectory_id"]: f["reward"] for f in tables.read("landing_feedback").to_pylist()}
+    assert rewards == {t: float(i) for i, t in enumerate(ODD_IDS)}
+    gw = Gateway(root).start()
+    try:
+        for tid, status in ((ODD_IDS[3], 409), (LONG_ID, 409), ("a", 404), (LONG_ID[:-1], 404)):
+            r = httpx.post(
+                f"{gw.url}/v1/feedback", json={"trajectory_id": tid, "reward": 0.0}, headers=FEEDBACK
+            )
+            assert r.status_code == status, (tid[:20], r.text[:200])  # 409: already rewarded
+    finally:
+        gw.stop()
 
 
 CHAT, USER = "/v1/chat/completions", {"role": "user", "content": "x"}
@@ -343,6 +401,51 @@ BAD = [
         "tool_choice",
     ),
     ("unknown model", CHAT, {"messages": [USER], "model": "gpt-4o"}, SERVE, 404, "model"),
+    # trajectory ids: any text, but text (a lone surrogate is not), metadata within OpenAI's limits,
+    # and the header percent-encoded as UTF-8
+    (
+        "user a lone surrogate",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x"}], "user": "a\\ud800"}',
+        SERVE,
+        400,
+        "user",
+    ),
+    (
+        "metadata value of 513",
+        CHAT,
+        {"messages": [USER], "metadata": {"trajectory_id": "x" * 513}},
+        SERVE,
+        400,
+        "metadata",
+    ),
+    ("metadata key of 65", CHAT, {"messages": [USER], "metadata": {"k" * 65: "v"}}, SERVE, 400, "metadata"),
+    (
+        "17 metadata pairs",
+        CHAT,
+        {"messages": [USER], "metadata": {f"k{i}": "v" for i in range(17)}},
+        SERVE,
+        400,
+        "metadata",
+    ),
+    ("header: a bare %", CHAT, {"messages": [USER]}, {**SERVE, TRAJECTORY_HEADER: "50%off"}, 400, None),
+    ("header: not UTF-8", CHAT, {"messages": [USER]}, {**SERVE, TRAJECTORY_HEADER: "%C3"}, 400, None),
+    (
+        "header: raw bytes",
+        CHAT,
+        {"messages": [USER]},
+        {**SERVE, TRAJECTORY_HEADER: "süß".encode()},
+        400,
+        None,
+    ),
+    (
+        "feedback id a lone surrogate",
+        "/v1/feedback",
+        b'{"trajectory_id": "\\ud800", "reward": 1.0}',
+        FEEDBACK,
+        400,
+        "trajectory_id",
+    ),
     ("unknown trajectory", "/v1/feedback", {"trajectory_id": "t", "reward": 1.0}, FEEDBACK, 404, None),
     ("feedback without key", "/v1/feedback", {"trajectory_id": "t", "reward": 1.0}, {}, 401, None),
 ]
@@ -385,10 +488,11 @@ def _wait_for(condition, timeout: float = 30.0) -> None:
 def test_unscored_trajectories_expire_into_rejects(tmp_path, tokenizer):
     gw = Gateway(make_root(tmp_path, tokenizer), "--ttl", "0.3").start()
     try:
+        tid = "carol@example.com\r\n ü"  # kept as data in `rejects` too
         reply = _client(gw).chat.completions.create(
-            model="base", messages=[{"role": "user", "content": "x"}], max_tokens=2
+            model="base", messages=[{"role": "user", "content": "x"}], max_tokens=2, user=tid
         )
-        tid = reply.model_extra["prodrl"]["trajectory_id"]
+        assert reply.model_extra["prodrl"]["trajectory_id"] == tid
         _wait_for(
             lambda: (
                 "prodrl_gateway_expired_trajectories 1" in httpx.get(f"{gw.url}/metrics", headers=SERVE).text
@@ -453,15 +557,6 @@ def test_hostile_requests_are_refused_before_their_body_and_record_nothing(gatew
     # a chunked body over the limit: 413 while reading; without a key it is never read at all
     assert _stream_post(chat, SERVE, 40, b" " * 100_000).status_code == 413
     assert _stream_post(chat, {}, 40, b" " * 100_000).status_code == 401
-    # ids that cannot travel in a header or a predicate: 400 naming the field, nothing recorded
-    message = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
-    for field, request in (
-        ("metadata.trajectory_id", {**message, "metadata": {"trajectory_id": "süß"}}),
-        ("metadata.trajectory_id", {**message, "metadata": {"trajectory_id": "a\r\nSet-Cookie: x"}}),
-        ("user", {**message, "user": "a b"}),
-    ):
-        r = httpx.post(chat, json=request, headers=SERVE)
-        assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
     assert _landed(gateway) == {}
 
 

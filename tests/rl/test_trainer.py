@@ -160,10 +160,10 @@ def test_is_ratios_renormalize_over_a_top_k_or_top_p_support(tiny_model, tokeniz
     """Same weights in engine and trainer: every IS ratio pi/mu must be 1. A trainer comparing a
     full-vocabulary pi with the processed (renormalized) mu sees log sum_S pi < 0 instead: the
     log-mass bias."""
+    from prodrl_pipeline.chat.render import render_ids
     from prodrl_pipeline.engine.processing import SamplingParams
     from prodrl_pipeline.engine.rows import Request
     from prodrl_pipeline.engine.sampler import TorchEngine
-    from prodrl_pipeline.envs.chat import render_ids
     from prodrl_pipeline.envs.chess_env import ChessEpisode
 
     engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id)

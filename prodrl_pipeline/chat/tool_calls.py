@@ -1,0 +1,158 @@
+"""A model family's tool-call format, read off its own chat template.
+
+The template renders an assistant turn holding one probe call (a probe name, probe arguments), after
+a user turn and before the tool's result; the text around the name and the arguments is the format:
+Qwen3's `<tool_call>\\n{"name": "` ... `", "arguments": ` ... `}\\n</tool_call>`, DeepSeek's tool
+tokens, the lab's own. A forced call's completion ids are the template's rendering of that turn
+(so a client re-sending the call as history extends the prompt it was served with), and a
+completion's text is parsed back with the same pieces. A template that renders no tool definitions,
+or whose call cannot be read off (the turn's rendering is not an extension of the generation prompt,
+the probe is not found, no end-of-turn follows it), has no format: tools are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from transformers import PreTrainedTokenizerBase
+
+from prodrl_pipeline.chat.render import TemplateError, control_markers, render_ids
+
+PROBE_NAME, PROBE_ARGUMENTS = "probe_tool_name", '{"probe_argument": "probe value"}'
+PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": PROBE_NAME, "description": "d", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def _conversation(name: str, arguments: str, content: str | None = None) -> list[dict]:
+    call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": content, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "r"},
+    ]
+
+
+@lru_cache(maxsize=16)
+def _call_content(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The content a call-only assistant turn renders with: null (OpenAI's), or "" for a template
+    that cannot take null (Qwen3's tests `'</think>' in content`)."""
+    try:
+        tokenizer.apply_chat_template(_conversation(PROBE_NAME, PROBE_ARGUMENTS), tokenize=False)
+        return None
+    except Exception:  # noqa: BLE001 - the template's own error: it needs a string
+        return ""
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """The text a call's name and arguments sit between, up to the end of the assistant's turn."""
+
+    before_name: str
+    between: str
+    after_arguments: str
+    """Up to, not including, the end-of-turn token."""
+    open_marker: str | None
+    """The control marker a call starts with (streaming holds text back from it), if any."""
+
+    def parse(self, text: str, call_id_prefix: str = "call") -> dict:
+        """An OpenAI assistant message from completion text (the end-of-turn token left out): the text
+        outside calls as content, each call's name and arguments (a JSON string). A call that does not
+        match the format keeps its raw text as arguments, with an empty name."""
+        calls, content, pos = [], [], 0
+        start = self.before_name if self.open_marker is None else self.open_marker
+        end = self.after_arguments.strip() or None
+        while (i := text.find(start, pos)) >= 0:
+            j = text.find(end, i + len(start)) if end else -1
+            stop = j + len(end) if j >= 0 else len(text)
+            content.append(text[pos:i])
+            calls.append(self._call(text[i:stop], f"{call_id_prefix}_{len(calls)}"))
+            pos = stop
+        content.append(text[pos:])
+        message: dict = {"role": "assistant", "content": "".join(content)}
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+    def _call(self, raw: str, call_id: str) -> dict:
+        pattern = re.escape(self.before_name.strip()) + r"(?P<name>.*?)" + re.escape(self.between)
+        pattern += r"(?P<arguments>.*)" + re.escape(self.after_arguments.strip())
+        name, arguments = "", raw
+        if match := re.fullmatch(r"\s*" + pattern + r"\s*", raw, flags=re.S):
+            name, arguments = match["name"], match["arguments"]
+        elif self.open_marker and (body := _json_call(raw.removeprefix(self.open_marker), self)):
+            name, arguments = body
+        return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _json_call(raw: str, fmt: ToolCallFormat) -> tuple[str, str] | None:
+    """A JSON-object call (`{"name": ..., "arguments": {...}}`) with other spacing than the template's."""
+    closing = fmt.after_arguments.strip().lstrip("}").strip()
+    body = raw.strip().removesuffix(closing).strip() if closing else raw.strip()
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+        return obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False)
+    return None
+
+
+@lru_cache(maxsize=16)
+def tool_call_format(tokenizer: PreTrainedTokenizerBase) -> ToolCallFormat | None:
+    """The format read off the template (module docstring), None if it has none."""
+    try:
+        with_tools = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "u"}], tools=[PROBE_TOOL], tokenize=False
+        )
+        if PROBE_NAME not in with_tools:
+            return None  # the template drops tool definitions
+        prompt = tokenizer.apply_chat_template(
+            _conversation(PROBE_NAME, PROBE_ARGUMENTS)[:1], tokenize=False, add_generation_prompt=True
+        )
+        full = tokenizer.apply_chat_template(
+            _conversation(PROBE_NAME, PROBE_ARGUMENTS, _call_content(tokenizer)), tokenize=False
+        )
+    except Exception:  # noqa: BLE001 - a template that refuses the probe has no format
+        return None
+    eos = tokenizer.eos_token
+    if not full.startswith(prompt) or not eos:
+        return None
+    turn = full[len(prompt) :]
+    name_at, arguments_at, end_at = turn.find(PROBE_NAME), turn.find(PROBE_ARGUMENTS), turn.find(eos)
+    if not 0 <= name_at < arguments_at < end_at:
+        return None
+    before = turn[:name_at]
+    opening = next((m for m in control_markers(tokenizer) if before.lstrip().startswith(m)), None)
+    return ToolCallFormat(
+        before_name=before,
+        between=turn[name_at + len(PROBE_NAME) : arguments_at],
+        after_arguments=turn[arguments_at + len(PROBE_ARGUMENTS) : end_at],
+        open_marker=opening,
+    )
+
+
+@lru_cache(maxsize=16)
+def _probe_prompt(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    return render_ids(tokenizer, _conversation(PROBE_NAME, PROBE_ARGUMENTS)[:1])
+
+
+def call_ids(tokenizer: PreTrainedTokenizerBase, name: str, arguments: str) -> tuple[int, ...]:
+    """The completion ids of one call `name(arguments)` ending the assistant's turn, as the template
+    renders that turn in history. TemplateError if the family has no format."""
+    if tool_call_format(tokenizer) is None:
+        raise TemplateError("this model's chat template has no tool-call format: tools cannot be served")
+    conversation = _conversation(name, arguments, _call_content(tokenizer))
+    prompt = _probe_prompt(tokenizer)
+    full = render_ids(tokenizer, conversation, add_generation_prompt=False)
+    if full[: len(prompt)] != prompt:
+        raise TemplateError("the template's tool-call turn does not extend its generation prompt")
+    completion = full[len(prompt) :]
+    end = completion.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in completion else -1
+    if end < 0:
+        raise TemplateError("the template's tool-call turn has no end-of-turn token")
+    return tuple(completion[: end + 1])

