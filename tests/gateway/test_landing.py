@@ -1,7 +1,11 @@
 """The landing log against real Delta tables, with faults injected into the store."""
 
+import signal
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -173,3 +177,67 @@ def test_steady_traffic_through_a_delta_outage_lands_every_record_once(tmp_path)
     log.stop()
     landed = [r["call_id"] for r in store.read("landing_calls").to_pylist()]
     assert sorted(landed) == sorted(f"c{i}" for i in range(n)) and log.pending == 0
+
+
+REPO = Path(__file__).resolve().parents[2]
+CRASHING_GATEWAY = """
+import os, signal, sys
+from prodrl_pipeline.gateway.landing import LandingLog
+from prodrl_pipeline.records.store import DeltaStore
+from tests.gateway.test_landing import _call, _feedback
+
+log = LandingLog(DeltaStore(sys.argv[1]), sys.argv[2], flush_records=1000, flush_seconds=3600)
+log.start()  # nothing is sealed or committed in this process's life: its records stay in the spool
+for i in map(int, sys.argv[3:]):
+    log.append("call", _call(i))
+    log.append("feedback", _feedback(i))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _crash_after_appending(tmp_path, *ids: int) -> list[str]:
+    """A gateway process that starts on the spool, appends a call and a feedback per id and is
+    killed; returns the segment files it left."""
+    command = [sys.executable, "-c", CRASHING_GATEWAY, str(tmp_path / "tables"), str(tmp_path / "spool")]
+    done = subprocess.run([*command, *map(str, ids)], cwd=REPO, capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    return sorted(p.name for p in (tmp_path / "spool").glob("seg-*.jsonl"))
+
+
+def test_segments_are_numbered_on_past_every_landed_version_across_restarts_so_replay_loses_nothing(tmp_path):
+    """Clean stop, restart, crash, replay, crash, replay: the first segment of a process is the one
+    after the highest transaction version on any landing table (or spool segment), so a segment
+    left by a crash is never one a table already holds (its replay would be skipped: rows lost)."""
+    store = DeltaStore(tmp_path / "tables")
+
+    def landed() -> tuple[list, list]:
+        calls = sorted(r["call_id"] for r in store.read("landing_calls").to_pylist())
+        return calls, sorted(r["feedback_id"] for r in store.read("landing_feedback").to_pylist())
+
+    first = LandingLog(store, tmp_path / "spool", flush_records=1, flush_seconds=0.05)
+    first.start()
+    first.append("call", _call(0))  # segment 0: landing_calls at transaction version 0
+    deadline = time.monotonic() + 60
+    while first.committed_records < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    first.append("feedback", _feedback(0))  # segment 1: landing_feedback at version 1, calls still at 0
+    first.stop()
+    assert landed() == (["c0"], ["f0"]) and not list((tmp_path / "spool").glob("seg-*"))
+
+    # a clean restart numbers on from the highest version of any table: 2, not 1 (feedback holds 1)
+    assert _crash_after_appending(tmp_path, 1) == ["seg-000000000002.jsonl"]
+    assert landed() == (["c0"], ["f0"])
+
+    third = LandingLog(store, tmp_path / "spool", flush_records=1000, flush_seconds=3600)
+    third.start()  # replays segment 2, then numbers on from it
+    assert landed() == (["c0", "c1"], ["f0", "f1"])
+    third.append("call", _call(2))
+    third.stop()  # commits segment 3
+    assert landed() == (["c0", "c1", "c2"], ["f0", "f1"])
+
+    assert _crash_after_appending(tmp_path, 3) == ["seg-000000000004.jsonl"]
+    last = LandingLog(store, tmp_path / "spool")
+    last.start()
+    last.stop()
+    assert landed() == (["c0", "c1", "c2", "c3"], ["f0", "f1", "f3"])
