@@ -6,6 +6,8 @@ anything. Each bound is checked on both sides, against values written out by han
 import asyncio
 import json
 import string
+import time
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import pytest
@@ -225,3 +227,171 @@ def test_a_stream_whose_reply_starts_with_a_stop_string_sends_no_content(tokeniz
     # a reply shorter than a stop string that never comes: held back, then sent whole at the end
     events = _events(tokenizer, tokenizer.encode("Hi", add_special_tokens=False), ["ZZZZ"], "Hi")
     assert [e["choices"][0]["delta"].get("content") for e in events] == ["", "Hi", None]
+
+
+def test_the_sampling_parameters_are_the_request_s_and_top_logprobs_are_bounded_by_the_engine_s():
+    req = ChatRequest(messages=USER, temperature=0.7, top_p=0.9, top_k=40, seed=-5, max_tokens=3)
+    params = _sampling(req)
+    assert (params.temperature, params.top_p, params.top_k, params.seed, params.max_tokens) == (
+        0.7,
+        0.9,
+        40,
+        -5,
+        3,
+    )
+    assert _sampling(ChatRequest(messages=USER)).seed is None
+    # the engine records the top 5 (the fake deployment's): 5 may be shown, 6 may not
+    assert _sampling(ChatRequest(messages=USER, logprobs=True, top_logprobs=5)) is not None
+    assert _sampling(ChatRequest(messages=USER, logprobs=True)) is not None  # True is not a count
+    assert _refused(ChatRequest(messages=USER, logprobs=True, top_logprobs=6)) == (
+        "top_logprobs",
+        "this gateway records the top 5 log-probs",
+    )
+    assert _sampling(CompletionRequest(prompt=[1], logprobs=5), [1]) is not None
+    assert _refused(CompletionRequest(prompt=[1], logprobs=6), [1]) == (
+        "logprobs",
+        "this gateway records the top 5 log-probs",
+    )
+
+
+def test_an_expired_trajectory_is_refused_and_unscored_ones_expire_once_into_rejects(tmp_path, another_zone):
+    from prodrl_pipeline.gateway.landing import LandingLog
+    from prodrl_pipeline.gateway.serving import expire_unscored
+    from prodrl_pipeline.gateway.sessions import SessionIndex
+    from prodrl_pipeline.records.store import DeltaStore
+
+    store = DeltaStore(tmp_path / "tables")
+    landing = LandingLog(store, tmp_path / "spool")
+    landing.start()
+    sessions = SessionIndex(0.01)
+    for tid in ("t1", "t2", "t3"):
+        sessions.next_call_index(tid)
+    assert sessions.claim_reward("t2", overwrite=False) == "ok"  # scored: never expires
+    time.sleep(0.05)
+    before = datetime.now(UTC)
+    assert expire_unscored(landing, sessions) == 2
+    after = datetime.now(UTC)
+    assert expire_unscored(landing, sessions) == 0  # once
+    sessions.next_call_index("t4")
+    time.sleep(0.05)
+    assert expire_unscored(None, sessions) == 1  # not recording: expired all the same
+    landing.stop()
+    rows = sorted(store.read("rejects").to_pylist(), key=lambda r: r["record_id"])
+    assert [before <= r.pop("rejected_at") <= after for r in rows] == [True, True]  # in UTC
+    reason = "no reward within the TTL of 0.01 s"
+    assert rows == [
+        {
+            "table_name": "landing_trajectories",
+            "round": None,
+            "record_id": t,
+            "reason": reason,
+            "record_json": "{}",
+        }
+        for t in ("t1", "t3")
+    ]
+    serving = Serving(GatewayConfig(), None, None, None, sessions)
+    with pytest.raises(HTTPException) as refused:
+        serving.open_trajectory(ChatRequest(messages=USER), "t1", "call-1")
+    assert refused.value.status_code == 409
+    assert refused.value.detail == "trajectory 't1' expired unscored (TTL 0.01 s); start a new trajectory id"
+    assert serving.open_trajectory(ChatRequest(messages=USER), "t2", "call-2") == "t2"
+    assert serving.open_trajectory(ChatRequest(messages=USER), None, "call-3") == "call-3"
+
+
+def test_the_metrics_page_lists_each_outcome_then_each_gauge():
+    serving = Serving(GatewayConfig(), None, None, None, None)
+    assert serving.metrics.render({}) == "\n"
+    serving.metrics.counts["client_gone"] += 1
+    serving.metrics.counts["chat"] += 2
+    assert serving.metrics.render({"pending": 3, "sessions": 2.5}) == (
+        'prodrl_gateway_requests_total{outcome="chat"} 2\n'
+        'prodrl_gateway_requests_total{outcome="client_gone"} 1\n'
+        "prodrl_gateway_pending 3\n"
+        "prodrl_gateway_sessions 2.5\n"
+    )
+
+
+@pytest.fixture
+def another_zone(monkeypatch):
+    """The machine's local time 5 h 45 min ahead of UTC: a naive local timestamp would land wrong."""
+    monkeypatch.setenv("TZ", "Asia/Kathmandu")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_a_served_call_is_recorded_field_by_field_and_its_prefix_continuity_counted(tmp_path, another_zone):
+    import numpy as np
+
+    from prodrl_pipeline.engine.processing import SamplingParams
+    from prodrl_pipeline.gateway.landing import LandingLog
+    from prodrl_pipeline.gateway.sessions import SessionIndex
+    from prodrl_pipeline.records.store import DeltaStore
+
+    store = DeltaStore(tmp_path / "tables")
+    landing = LandingLog(store, tmp_path / "spool")
+    landing.start()
+    serving = Serving(GatewayConfig(), None, None, landing, SessionIndex(60.0))
+    dep = SimpleNamespace(
+        deployment_id="dep-1", engine=SimpleNamespace(engine=SimpleNamespace(vocab_size=50))
+    )
+    done = Completion(
+        token_ids=[5, 6],
+        logprobs=[-0.5, -0.25],
+        topk_ids=[np.array([5, 7]), np.array([6, 8])],
+        topk_logprobs=[np.array([-0.5, -1.5], dtype=np.float32), np.array([-0.25, -2.0], dtype=np.float32)],
+        support_size=[50, 2],
+        support_ids=[np.array([], dtype=np.int64)] * 2,
+        extra_ids=[np.array([9], dtype=np.int64), np.array([6], dtype=np.int64)],
+        finish_reason="stop",
+    )
+    params = SamplingParams(temperature=0.5, top_k=2, max_tokens=2, logit_bias=((3, -1.5),))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "e4"}]
+    calls = (
+        ("c0", "t1", [1, 2]),
+        ("o0", "t2", [4]),  # another trajectory's first call: continues nothing
+        ("c1", "t1", [1, 2, 5, 6, 9]),  # extends c0's prompt + completion
+        ("c2", "t1", [1, 2, 5, 6, 9, 5, 6]),  # extends c1's
+        ("c3", "t1", [1, 3]),  # breaks
+    )
+    before = datetime.now(UTC)
+    for call, tid, prompt in calls:
+        asyncio.run(serving.record(dep, call, tid, prompt, done, params, 123, messages))
+    after = datetime.now(UTC)
+    assert serving.metrics.prefix == {"extends": 2, "breaks": 1}
+    quiet = Serving(GatewayConfig(record=False), None, None, landing, serving.sessions)
+    asyncio.run(quiet.record(dep, "c4", "t1", [1], done, params, 123, messages))  # counted, not recorded
+    landing.stop()
+    rows = sorted(store.read("landing_calls").to_pylist(), key=lambda r: r["call_id"])
+    assert [before <= r.pop("created_at") <= after for r in rows] == [True] * 5  # in UTC
+    index = {"c0": 0, "c1": 1, "c2": 2, "c3": 3, "o0": 0}
+    assert rows == [
+        {
+            "call_id": call,
+            "trajectory_id": tid,
+            "call_index": index[call],
+            "deployment_id": "dep-1",
+            "prompt_token_ids": prompt,
+            "completion_token_ids": [5, 6],
+            "completion_logprobs": [-0.5, -0.25],
+            "topk_token_ids": [[5, 7], [6, 8]],
+            "topk_logprobs": [[-0.5, -1.5], [-0.25, -2.0]],
+            "support_size": [50, 2],
+            "support_token_ids": [[], []],
+            "extra_token_ids": [[9], [6]],
+            "vocab_size": 50,
+            "sampling": {
+                "temperature": 0.5,
+                "top_p": 1.0,
+                "top_k": 2,
+                "max_tokens": 2,
+                "seed": 123,
+                "logit_bias": [{"token_id": 3, "bias": -1.5}],
+            },
+            "finish_reason": "stop",
+            "messages_json": json.dumps(messages),
+        }
+        for call, tid, prompt in sorted(calls)
+    ]
+    assert serving.sessions.next_call_index("t1") == 5  # the unrecorded call took index 4
