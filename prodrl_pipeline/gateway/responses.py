@@ -171,7 +171,8 @@ async def chat_stream(
                     text.add(token)
             cut = cut_at_stop(text.text, stops)  # text only grows: a stop string stays found
             quiet = quiet or len(cut) < len(text.text)  # after a stop string nothing is shown
-            target = cut if quiet else text.text[: len(text.text) - hold]
+            # the text but its last `hold` characters (none of it while it is shorter than that)
+            target = cut if quiet else text.text[: max(len(text.text) - hold, 0)]
             if target.startswith(shown) and len(target) > len(shown):
                 yield chunk({"content": target[len(shown) :]})
                 shown = target

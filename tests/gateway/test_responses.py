@@ -73,3 +73,206 @@ def test_incremental_text_equals_the_whole_decode(tokenizer):
     for t in ids:
         text.add(t)
     assert text.text == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _chars(tokenizer, text: str) -> list[int]:
+    """`text` as one token per character (every ASCII character is a token of the byte-level BPE)."""
+    ids = [tokenizer.convert_tokens_to_ids(c) for c in text]
+    assert tokenizer.decode(ids) == text
+    return ids
+
+
+async def _lockstep(tokenizer, ids: list[int], stops, content: str, tool_open=None) -> tuple[list[str], list]:
+    """The text shown after each token of a stream fed one token at a time (each given the loop
+    until the stream waits again), and the events after the last token."""
+    tokens = TokenFeed(asyncio.get_running_loop())
+
+    async def end() -> Ending:
+        return Ending({"role": "assistant", "content": content}, "stop", None, None)
+
+    stream = chat_stream(tokenizer, "m", "c", 0, {}, tokens, end, lambda: None, stops, tool_open)
+    assert json.loads((await anext(stream))[6:])["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "",
+    }
+    pending, shown = asyncio.ensure_future(anext(stream)), []
+
+    async def settle() -> None:
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    for n, token in enumerate(ids, 1):
+        tokens.put((n, token))
+        await settle()
+        while pending.done():
+            shown.append(json.loads(pending.result()[6:])["choices"][0]["delta"]["content"])
+            pending = asyncio.ensure_future(anext(stream))
+            await settle()
+        shown.append("|")  # token n's turn ends
+    tokens.put(None)
+    rest = [await pending] + [line async for line in stream]
+    after = "".join(shown).split("|")[:-1]
+    return [after[n] for n in range(len(ids))], [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+
+
+def test_a_stream_shows_all_but_the_last_len_stop_minus_one_characters_after_each_token(tokenizer):
+    """Text that may still become a stop string waits (L - 1 characters for the longest stop
+    string of L characters, nothing without stops); the rest follows with the final message."""
+    text = "abcdef"
+    for stops, hold in ((None, 0), (["xyz"], 2), (["q", "END"], 2), (["a"], 0)):
+        content = cut_at_stop(text, stops)
+        shown, rest = asyncio.run(_lockstep(tokenizer, _chars(tokenizer, text), stops, content))
+        if stops == ["a"]:  # the stop string is the first character: nothing is ever shown
+            assert shown == [""] * 6 and content == ""
+        else:
+            assert shown == [text[n - hold] if n >= hold else "" for n in range(6)], stops
+        tail = [e["choices"][0]["delta"].get("content") for e in rest]
+        assert tail == ([text[6 - hold :], None] if hold else [None]), stops
+
+
+def test_text_after_the_tool_call_token_waits_for_the_final_message(tokenizer):
+    tool_open = tokenizer.convert_tokens_to_ids("<tool_call>")
+    ids = [*_chars(tokenizer, "ok."), tool_open, *_chars(tokenizer, "{x}")]
+    shown, _ = asyncio.run(_lockstep(tokenizer, ids, None, "ok.", tool_open))
+    assert shown == ["o", "k", ".", "", "", "", ""]
+    shown, _ = asyncio.run(_lockstep(tokenizer, ids, None, "ok.", tool_open=None))
+    assert "".join(shown) == tokenizer.decode(ids)  # without a tool-call token it is text like any other
+
+
+def _events_of(tokenizer, end, ids=(), tool_open=None) -> list[str]:
+    async def run() -> list[str]:
+        tokens = TokenFeed(asyncio.get_running_loop())
+        for n, t in enumerate(ids, 1):
+            tokens.put((n, t))
+        tokens.put(None)
+        head = {"call_id": "c9"}
+        return [
+            line async for line in chat_stream(tokenizer, "dep-1", "c9", 77, head, tokens, end, lambda: None)
+        ]
+
+    return asyncio.run(run())
+
+
+def test_every_chunk_is_openai_s_and_the_ending_brings_tool_calls_logprobs_and_usage(tokenizer):
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "move", "arguments": "{}"}}] * 2
+    logprobs = {"content": [{"token": "a", "logprob": -0.5, "top_logprobs": []}]}
+    usage_ = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+
+    async def end() -> Ending:
+        return Ending(
+            {"role": "assistant", "content": "a", "tool_calls": calls}, "tool_calls", logprobs, usage_
+        )
+
+    lines = _events_of(tokenizer, end, _chars(tokenizer, "a"))
+    envelope = {"id": "chatcmpl-c9", "object": "chat.completion.chunk", "created": 77, "model": "dep-1"}
+
+    def choice(delta, finish=None, **extra):
+        return [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]
+
+    assert lines[-1] == "data: [DONE]\n\n" and all(x.endswith("\n\n") for x in lines)
+    assert [json.loads(x.removeprefix("data: ")) for x in lines[:-1]] == [
+        {**envelope, "choices": choice({"role": "assistant", "content": ""}), "prodrl": {"call_id": "c9"}},
+        {**envelope, "choices": choice({"content": "a"})},
+        {**envelope, "choices": choice({"tool_calls": [{**calls[0], "index": 0}, {**calls[1], "index": 1}]})},
+        {**envelope, "choices": choice({}, "tool_calls", logprobs=logprobs), "prodrl": {"call_id": "c9"}},
+        {**envelope, "choices": [], "usage": usage_},
+    ]
+
+
+def test_a_stream_whose_generation_fails_ends_with_the_error_event_and_no_done(tokenizer):
+    from prodrl_pipeline.engine.constraints import ConstraintError
+
+    for error, body in (
+        (
+            ConstraintError("the grammar gave up"),
+            {"message": "the grammar gave up", "type": "invalid_request_error", "param": "response_format"},
+        ),
+        (
+            RuntimeError("engine died"),
+            {"message": "generation failed: engine died", "type": "server_error", "param": None},
+        ),
+    ):
+
+        async def end(error=error) -> Ending:
+            raise error
+
+        lines = _events_of(tokenizer, end, _chars(tokenizer, "a"))
+        assert lines[-1] == f"data: {json.dumps({'error': {**body, 'code': None}})}\n\n"
+        assert "data: [DONE]\n\n" not in lines and len(lines) == 3  # the role, the text "a", the error
+
+
+def test_tokens_put_in_one_burst_wake_the_loop_once():
+    class Loop:
+        def __init__(self):
+            self.wakes = []
+
+        def call_soon_threadsafe(self, callback):
+            self.wakes.append(callback)
+
+    async def run() -> None:
+        loop = Loop()
+        feed = TokenFeed(loop)
+        for item in (1, 2, 3):
+            feed.put(item)
+        assert len(loop.wakes) == 1  # one wake-up for the burst
+        loop.wakes[0]()  # the loop runs it: the next put schedules another
+        assert await feed.take() == [1, 2, 3]
+        feed.put(4)
+        feed.put(5)
+        assert len(loop.wakes) == 2
+        loop.wakes[1]()
+        assert await feed.take() == [4, 5]
+
+    asyncio.run(run())
+
+
+def test_a_stop_string_is_found_however_its_characters_split_into_tokens(tokenizer):
+    from prodrl_pipeline.gateway.responses import stop_at
+
+    four_bytes = "\U0001f0a1"  # one character, four byte tokens: the window of 4 L + 1 tokens holds it
+    ids = tokenizer.encode(f"ab{four_bytes}", add_special_tokens=False)
+    assert len(ids) == 6 and tokenizer.decode(ids[-4:]) == four_bytes
+    assert stop_at(tokenizer, [four_bytes])(ids)
+    assert not stop_at(tokenizer, [four_bytes])(ids[:-1])
+    special = tokenizer.encode("a<|im_start|>b", add_special_tokens=False)  # special tokens are text here
+    assert stop_at(tokenizer, ["<|im_start|>"])(special) and stop_at(tokenizer, ["a<|im_start|>b"])(special)
+    assert cut_at_stop("one STOP two STOP", ["STOP"]) == "one "  # the first occurrence
+
+
+def test_a_stop_s_end_token_is_hidden_and_the_rest_of_the_completion_shown(tokenizer):
+    from prodrl_pipeline.engine.rows import Completion
+    from prodrl_pipeline.gateway.responses import text_of
+
+    eos, ids = tokenizer.eos_token_id, _chars(tokenizer, "ab")
+    assert text_of(tokenizer, Completion(token_ids=[*ids, eos], finish_reason="stop")) == "ab"
+    assert text_of(tokenizer, Completion(token_ids=ids, finish_reason="stop")) == "ab"
+
+
+def test_usage_and_chat_logprobs_as_openai_gives_them(tokenizer):
+    import numpy as np
+
+    from prodrl_pipeline.engine.rows import Completion
+    from prodrl_pipeline.gateway.responses import logprobs_content, usage
+
+    a, b, c = _chars(tokenizer, "abc")
+    done = Completion(
+        token_ids=[a, b],
+        logprobs=[-0.5, -1.25],
+        topk_ids=[np.array([a, c, b]), np.array([c, b, a])],
+        topk_logprobs=[np.array([-0.5, -1.0, -3.0]), np.array([-0.25, -1.25, -4.0])],
+        finish_reason="length",
+    )
+    assert usage([7, 8, 9], done) == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert logprobs_content(tokenizer, done, 2) == [
+        {
+            "token": "a",
+            "logprob": -0.5,
+            "top_logprobs": [{"token": "a", "logprob": -0.5}, {"token": "c", "logprob": -1.0}],
+        },
+        {
+            "token": "b",
+            "logprob": -1.25,
+            "top_logprobs": [{"token": "c", "logprob": -0.25}, {"token": "b", "logprob": -1.25}],
+        },
+    ]
+    assert [x["top_logprobs"] for x in logprobs_content(tokenizer, done, 0)] == [[], []]

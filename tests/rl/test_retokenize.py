@@ -164,3 +164,45 @@ def test_a_differing_prompt_is_replaced_and_counted_and_recorded_supports_kept_w
     ]
     assert rebuilt[0]["support_token_ids"] == [[5, 6, 7]] * n + [[]]  # the new newline: the whole vocabulary
     assert set(k for k in report if k.startswith("stretch")) == {"stretch: template whitespace"}
+
+
+COLUMNS = (
+    "completion_logprobs",
+    "topk_token_ids",
+    "topk_logprobs",
+    "support_size",
+    "support_token_ids",
+    "extra_token_ids",
+)
+
+
+def test_nothing_after_the_first_disagreement_is_kept_even_where_later_ids_agree_again(recorded, tokenizer):
+    """The recorded move replaced by another id: the rebuilt ids differ at the move only (and the
+    template's newline at the end), the ids after it line up again position by position, and still
+    no recorded column is kept from the move on (a substitution is not known to be one)."""
+    from prodrl_pipeline.rl.retokenize import retokenize_call
+
+    call = recorded.calls[0]
+    served = call["completion_token_ids"]
+    n, vocab = len(served), call["vocab_size"]
+    move = next(t for t, s in enumerate(call["support_size"]) if s > 1)
+    assert move + 2 < n  # the call's closing tokens follow the move
+    other = (served[move] + 1) % vocab
+    recorded_ids = served[:move] + [other] + served[move + 1 :]
+    given = {
+        **call,
+        "completion_token_ids": recorded_ids,
+        "support_token_ids": [[5, 6, 7, t] for t in range(n)],  # told apart per position
+        "extra_token_ids": [[10_000 + t, 20_000 + t] for t in range(n)],
+    }
+    new = retokenize_call(given, tokenizer)
+    ids = new["completion_token_ids"]
+    assert ids == served + tokenizer.encode("\n", add_special_tokens=False)
+    assert [a == b for a, b in zip(ids, recorded_ids, strict=False)] == [t != move for t in range(n)]
+    for t, tok in enumerate(ids):
+        got = [new[c][t] for c in COLUMNS]
+        if t < move:
+            assert got == [given[c][t] for c in COLUMNS], t
+        else:
+            assert math.isnan(got[0]) and math.isnan(got[2][0]) and len(got[2]) == 1, t
+            assert [got[1], got[3], got[4], got[5]] == [[tok], vocab, [], [tok, tok]], t

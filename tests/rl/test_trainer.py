@@ -1,4 +1,5 @@
 import copy
+import math
 
 import pytest
 import torch
@@ -436,3 +437,77 @@ def test_each_pass_computes_only_the_log_probs_it_reads(
     passes = len(asked) // 2  # as many microbatches in the pi_k pass as in the one step
     assert asked == [set()] * passes + [reads | {"entropy"}] * passes and passes >= 1
     assert estimator.reads == reads
+
+
+def _free_call(trajectory: str, index: int, prompt: list[int], completion: list[int], vocab: int) -> dict:
+    """A call sampled from the whole vocabulary (every position free), mu recorded as -1 - t/10."""
+    mu = [-1.0 - t / 10 for t in range(len(completion))]
+    return {
+        "call_id": f"{trajectory}-{index}",
+        "trajectory_id": trajectory,
+        "call_index": index,
+        "vocab_size": vocab,
+        "sampling": {"temperature": 1.0},
+        "prompt_token_ids": prompt,
+        "completion_token_ids": completion,
+        "completion_logprobs": mu,
+        "topk_token_ids": [[t] for t in completion],
+        "topk_logprobs": [[x] for x in mu],
+        "support_size": [vocab] * len(completion),
+        "support_token_ids": [[] for _ in completion],
+    }
+
+
+@pytest.mark.parametrize("microbatch_calls", [1, 16])
+@pytest.mark.parametrize("estimator", ["reinforce", "token_is"])
+def test_each_trajectory_weighs_one_over_its_own_token_count_in_the_gradient(
+    tiny_model, tokenizer, estimator, microbatch_calls
+):
+    """g = (1/B) sum_i (1/T_i) sum_t w A_i grad log pi(a_t), by brute force: two trajectories of
+    T_a = 3 and T_b = 4 + 2 = 6 completion tokens (b in two calls), each token's log pi from the
+    model's own logits (the whole vocabulary is the support), the loss -g summed by hand over
+    tokens and differentiated by autograd; w = 1 (reinforce) or sg(pi/mu) (token_is). Weighting by
+    1/sum_i T_i, or dropping 1/T_i or 1/B, changes the two trajectories' shares: the gradient."""
+    vocab = tiny_model.config.vocab_size
+    calls = [
+        _free_call("a", 0, [5, 6, 7], [40, 41, 42], vocab),
+        _free_call("b", 0, [8, 9], [50, 51, 52, 53], vocab),
+        _free_call("b", 1, [8, 9, 50, 51, 52, 53, 10], [60, 61], vocab),
+    ]
+    adv = [
+        {"trajectory_id": "a", "minibatch": 0, "reward": 1.0, "advantage": 1.0},
+        {"trajectory_id": "b", "minibatch": 0, "reward": 0.0, "advantage": -0.5},
+    ]
+    tokens = {"a": 3, "b": 6}
+    model = copy.deepcopy(tiny_model)
+    expected_loss = 0.0
+    for call in calls:
+        ids = call["prompt_token_ids"] + call["completion_token_ids"]
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        start = len(call["prompt_token_ids"])
+        for t, token in enumerate(call["completion_token_ids"]):
+            lp = logits[start + t - 1].log_softmax(-1)[token]  # the logits before the token predict it
+            w = 1.0 if estimator == "reinforce" else math.exp(lp.item() - call["completion_logprobs"][t])
+            a = next(x["advantage"] for x in adv if x["trajectory_id"] == call["trajectory_id"])
+            expected_loss = expected_loss - w * a * lp / (len(adv) * tokens[call["trajectory_id"]])
+    expected_loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    cfg = TrainerConfig(
+        steps=1,
+        batch_size=2,
+        microbatch_calls=microbatch_calls,
+        grad_clip=0.0,
+        estimator=EstimatorConfig(type=estimator),
+    )
+    model = copy.deepcopy(tiny_model)
+    opt = make_optimizer(model, cfg, None)
+    captured = {}
+    opt.step = lambda: captured.update({n: p.grad.clone() for n, p in model.named_parameters()})
+    (row,) = train_round(model, opt, RecordedCalls.from_rows(calls), adv, cfg, pad_id=tokenizer.pad_token_id)
+    assert captured.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(captured[name], grad, rtol=1e-4, atol=1e-7)
+    assert row["loss"] == pytest.approx(expected_loss.item(), rel=1e-5)
+    assert row["n_tokens"] == 9 and row["n_trajectories"] == 2
