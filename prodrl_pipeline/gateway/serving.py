@@ -193,13 +193,14 @@ class Serving:
         stop_ids: frozenset[int] = frozenset(),
     ) -> Future:
         """Queue one completion: a future of (Completion, recorded seed). `observe` sees the ids
-        after every token on the engine thread; it, a stop string or a token of `stop_ids` (the
-        chat format's: harmony's <|call|>) returning True ends it."""
-        extra = stop_ids - {self.tokenizer.eos_token_id}
-        stop_token = (lambda ids: ids[-1] in extra) if extra else None  # noqa: E731
-        hooks = [h for h in (observe, stop_at(self.tokenizer, stops) if stops else None, stop_token) if h]
+        after every token on the engine thread; it or a stop string returning True ends it, as
+        does a token of `stop_ids` (the chat format's: harmony's <|return|> and <|call|>)."""
+        hooks = [h for h in (observe, stop_at(self.tokenizer, stops) if stops else None) if h]
         on_token = (lambda ids: any([h(ids) for h in hooks])) if hooks else None  # noqa: E731 - every hook sees every token
-        return dep.engine.submit(EngineRequest(prompt_ids, params, constraint=constraint, on_token=on_token))
+        request = EngineRequest(
+            prompt_ids, params, constraint=constraint, on_token=on_token, stop_ids=stop_ids
+        )
+        return dep.engine.submit(request)
 
     async def record(
         self,
