@@ -43,12 +43,8 @@ from prodrl_pipeline.gateway.serving import Serving, id_headers
 
 def create_app(serving: Serving) -> FastAPI:
     """The routes over `serving` (its deployments, tokenizer, landing log and sessions)."""
-    cfg, tokenizer, deployments, chat_format = (
-        serving.cfg,
-        serving.tokenizer,
-        serving.deployments,
-        serving.chat,
-    )
+    cfg, tokenizer, deployments = serving.cfg, serving.tokenizer, serving.deployments
+    chat_format = serving.chat  # the chat template's, or harmony's for gpt-oss (gateway/chat_format.py)
     landing, sessions, metrics = serving.landing, serving.sessions, serving.metrics
     started = int(time.time())
 

@@ -15,7 +15,7 @@ from openai_harmony import (
 )
 
 from prodrl_pipeline.chat.harmony import START_DATE, HarmonyChat
-from prodrl_pipeline.chat.render import is_harmony, load_tokenizer
+from prodrl_pipeline.chat.render import TemplateError, is_harmony, load_tokenizer
 from prodrl_pipeline.engine.constraints import ChoiceConstraint
 from tests.families import family_dir, family_tokenizer
 
@@ -163,3 +163,23 @@ def test_a_forced_call_is_a_choice_of_harmony_calls_ending_at_call(chat):
         (call,) = chat.message(list(seq))["tool_calls"]
         assert call["function"]["name"] == "get_weather"
         assert json.loads(call["function"]["arguments"])["city"] in ("Oslo", "Lima")
+
+
+def test_a_tool_result_must_answer_an_earlier_call(chat):
+    with pytest.raises(TemplateError, match="answers no earlier tool call"):
+        chat.prompt_ids(
+            [{"role": "user", "content": "u"}, {"role": "tool", "tool_call_id": "x", "content": "r"}]
+        )
+
+
+def test_the_reasoning_of_a_turn_still_calling_tools_is_kept(chat):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "A.", "reasoning_content": "first thought"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": None, "reasoning_content": "second thought", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"},
+    ]
+    text = chat.enc.decode(chat.prompt_ids(messages, [WEATHER]))
+    assert "first thought" not in text and "second thought" in text
