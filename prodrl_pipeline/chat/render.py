@@ -48,12 +48,23 @@ class TemplateError(ValueError):
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load a tokenizer saved in HF format (the lab's or a production model's) with its rendering
-    built (a large vocabulary's encoder copy takes ~1 s) or refused now."""
+    built (a large vocabulary's encoder copy takes ~1 s) or refused now: one without a chat template
+    is refused unless it is gpt-oss's (`is_harmony`: harmony renders its chats)."""
     tok = AutoTokenizer.from_pretrained(str(path))
-    if tok.chat_template is None:
-        raise ValueError(f"{path}: tokenizer has no chat template")
+    if tok.chat_template is None and not is_harmony(tok):
+        raise ValueError(f"{path}: tokenizer has no chat template (and is not gpt-oss's harmony tokenizer)")
     plain_ids(tok, [""])
     return tok
+
+
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>")
+
+
+def is_harmony(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """gpt-oss's tokenizer: no chat template, and harmony's special tokens (its chat format is
+    harmony's, rendered by `chat.harmony`)."""
+    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return tokenizer.chat_template is None and set(HARMONY_MARKERS) <= special
 
 
 def _template_source(tokenizer: PreTrainedTokenizerBase) -> str:

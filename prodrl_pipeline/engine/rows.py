@@ -38,6 +38,9 @@ class Request:
     on_token: Callable[[list[int]], bool] | None = None
     """Called on the engine thread with the completion's ids after each token (streaming, stop
     strings, a client that left); True ends the completion (finish_reason "stop")."""
+    stop_ids: frozenset[int] = frozenset()
+    """Tokens that end the completion besides the engine's eos, kept as its last id (finish_reason
+    "stop"): harmony's <|call|> for gpt-oss (vLLM's stop_token_ids)."""
 
 
 NO_IDS = np.empty(0, dtype=np.int64)
@@ -200,7 +203,12 @@ class Rows:
             except Exception as e:  # noqa: BLE001
                 self.fail(i, e)
                 return
-        if tok == self.eos_id or (state is not None and state.finished) or self._on_token(i):
+        if (
+            tok == self.eos_id
+            or tok in self.requests[i].stop_ids
+            or (state is not None and state.finished)
+            or self._on_token(i)
+        ):
             self.done[i], c.finish_reason = True, "stop"
         elif len(c.token_ids) >= self.requests[i].params.max_tokens:
             self.done[i] = True

@@ -147,6 +147,8 @@ class VLLMEngine:
             "return_tokens_as_token_ids": True,
             "return_weight_versions": True,
         }
+        if req.stop_ids:
+            body["stop_token_ids"] = sorted(req.stop_ids)
         if req.constraint is not None:
             body["structured_outputs"] = structured_outputs(req.constraint)
         return body

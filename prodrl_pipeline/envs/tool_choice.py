@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
@@ -24,11 +24,16 @@ MAX_CHOICES, MAX_CHOICE_CHARS = 1000, 256  # bounds on a client's enum: OpenAI's
 
 
 def _call_ids(
-    tokenizer: PreTrainedTokenizerBase, tool_name: str, argument: str, value: str
+    tokenizer: PreTrainedTokenizerBase,
+    tool_name: str,
+    argument: str,
+    value: str,
+    render: Callable[[str, str], Sequence[int]] | None = None,
 ) -> tuple[int, ...]:
     if not TOOL_NAME.fullmatch(tool_name):
         raise ValueError(f"tool name {tool_name!r} is not 1-64 characters of [A-Za-z0-9_-]")
-    return call_ids(tokenizer, tool_name, json.dumps({argument: value}, ensure_ascii=False))
+    arguments = json.dumps({argument: value}, ensure_ascii=False)
+    return tuple(render(tool_name, arguments)) if render else call_ids(tokenizer, tool_name, arguments)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -73,10 +78,15 @@ def _enum_argument(tool: dict) -> tuple[str, str, list[str]]:
 
 
 def required_tool_call(
-    tokenizer: PreTrainedTokenizerBase, tools: Sequence[dict], name: str | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    tools: Sequence[dict],
+    name: str | None = None,
+    render: Callable[[str, str], Sequence[int]] | None = None,
 ) -> ChoiceConstraint:
     """`tool_choice: "required"` (any of `tools`) or a named tool: a constraint over every call
-    the chosen tools' enums allow. ValueError when a chosen tool's schema is not such an enum."""
+    the chosen tools' enums allow, each call's ids from `render(name, arguments)` (default: the
+    template's, `call_ids`; harmony's for gpt-oss). ValueError when a chosen tool's schema is not
+    such an enum."""
     chosen = [t for t in tools if name is None or _tool_name(t) == name]
     if not chosen:
         raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
@@ -90,7 +100,7 @@ def required_tool_call(
         raise ValueError(
             f"a required tool call allows at most {MAX_CHOICES} values of {MAX_CHOICE_CHARS} characters"
         )
-    return ChoiceConstraint([_call_ids(tokenizer, *call) for call in dict.fromkeys(calls)])
+    return ChoiceConstraint([_call_ids(tokenizer, *call, render) for call in dict.fromkeys(calls)])
 
 
 def _tool_name(tool: object) -> object:

@@ -21,8 +21,7 @@ from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from prodrl_pipeline.chat.render import TemplateError, render_ids
-from prodrl_pipeline.chat.tool_calls import tool_call_format
+from prodrl_pipeline.chat.render import TemplateError
 from prodrl_pipeline.engine.constraints import ConstraintError
 from prodrl_pipeline.engine.rows import Completion
 from prodrl_pipeline.gateway.errors import error_response, validation_error
@@ -45,6 +44,7 @@ from prodrl_pipeline.gateway.serving import Serving, id_headers
 def create_app(serving: Serving) -> FastAPI:
     """The routes over `serving` (its deployments, tokenizer, landing log and sessions)."""
     cfg, tokenizer, deployments = serving.cfg, serving.tokenizer, serving.deployments
+    chat_format = serving.chat  # the chat template's, or harmony's for gpt-oss (gateway/chat_format.py)
     landing, sessions, metrics = serving.landing, serving.sessions, serving.metrics
     started = int(time.time())
 
@@ -145,8 +145,7 @@ def create_app(serving: Serving) -> FastAPI:
                 "parallel_tool_calls",
                 "parallel_tool_calls: false is enforced with tool_choice required or named",
             )
-        fmt = tool_call_format(tokenizer)
-        if req.tools and fmt is None:
+        if req.tools and not chat_format.serves_tools:
             raise ParamError(
                 "tools", "this model's chat template renders no tool definitions: tools cannot be served"
             )
@@ -154,25 +153,20 @@ def create_app(serving: Serving) -> FastAPI:
         tid = serving.open_trajectory(req, x_prodrl_trajectory_id, call_id)
         try:  # user text stays text: only the template's markers are control tokens
             messages = [m.for_template() for m in req.messages]
-            prompt_ids = await asyncio.to_thread(render_ids, tokenizer, messages, tools=req.tools)
+            prompt_ids = await asyncio.to_thread(chat_format.prompt_ids, messages, req.tools)
         except TemplateError as e:
             raise ParamError("messages", str(e)) from e
         except Exception as e:  # a template error is the request's fault
             raise ParamError("messages", f"messages do not render with the chat template: {e}") from e
         json_reply = req.response_format is not None and req.response_format.type != "text"
-        calls = fmt if req.tools and req.tool_choice != "none" and not json_reply else None
+        parse_calls = bool(req.tools) and req.tool_choice != "none" and not json_reply
         headers = id_headers(tid, call_id)
         ids = {"trajectory_id": tid, "call_id": call_id, "prompt_token_ids": prompt_ids}
         created = int(time.time())
 
         def reply(c: Completion) -> tuple[dict, str, dict | None]:
             """The assistant message, finish reason and logprobs of a finished completion."""
-            text = text_of(tokenizer, c)
-            text = cut_at_stop(text, req.stop) if c.finish_reason == "stop" else text
-            if calls is None:  # the text as it is, tool-call markup included
-                message = {"role": "assistant", "content": text}
-            else:
-                message = calls.parse(text, call_id_prefix=f"call_{call_id[:12]}")
+            message = chat_format.reply(c, req.stop, parse_calls, f"call_{call_id[:12]}")
             tool_calls = bool(message.get("tool_calls"))
             finish = "tool_calls" if tool_calls else ("stop" if c.finish_reason == "stop" else "length")
             logprobs = (
@@ -197,12 +191,14 @@ def create_app(serving: Serving) -> FastAPI:
                         ids,
                         created,
                         reply,
-                        calls,
+                        parse_calls,
                     ),
                     media_type="text/event-stream",
                     headers=headers,
                 )
-            future = serving.submit(dep, prompt_ids, params, req.stop, constraint)
+            future = serving.submit(
+                dep, prompt_ids, params, req.stop, constraint, stop_ids=chat_format.stop_ids
+            )
         try:
             c, seed = await asyncio.wrap_future(future)
         except ConstraintError as e:  # the request's grammar failed mid-way: nothing was recorded

@@ -189,6 +189,8 @@ async def chat_stream(
     message = ending.message
     if message["content"].startswith(shown) and len(message["content"]) > len(shown):
         yield chunk({"content": message["content"][len(shown) :]})
+    if message.get("reasoning_content"):  # harmony's analysis channel (gpt-oss), sent whole
+        yield chunk({"reasoning_content": message["reasoning_content"]})
     if message.get("tool_calls"):
         yield chunk({"tool_calls": [{**tc, "index": i} for i, tc in enumerate(message["tool_calls"])]})
     final = json.loads(chunk({}, ending.finish_reason, prodrl=head).removeprefix("data: "))  # with token_ids

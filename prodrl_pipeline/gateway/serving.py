@@ -19,13 +19,12 @@ from urllib.parse import quote, unquote
 from fastapi import HTTPException
 from transformers import PreTrainedTokenizerBase
 
-from prodrl_pipeline.chat.tool_calls import ToolCallFormat
 from prodrl_pipeline.engine.constraints import Constraint
 from prodrl_pipeline.engine.grammar import GrammarConstraint
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Completion
 from prodrl_pipeline.engine.rows import Request as EngineRequest
-from prodrl_pipeline.envs.tool_choice import required_tool_call
+from prodrl_pipeline.gateway.chat_format import chat_format
 from prodrl_pipeline.gateway.deployments import Deployments, LiveFollower, Loaded
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.protocol import ChatRequest, ParamError, SamplingFields
@@ -93,8 +92,9 @@ class Metrics:
 
 
 class Serving:
-    """The deployments, tokenizer, landing log and sessions one gateway serves with; `follower`
-    (when set) moves the deployments along the registry's live pointer."""
+    """The deployments, tokenizer (and the chat format it serves: `gateway.chat_format`), landing
+    log and sessions one gateway serves with; `follower` (when set) moves the deployments along the
+    registry's live pointer."""
 
     def __init__(
         self,
@@ -107,6 +107,7 @@ class Serving:
     ):
         self.cfg, self.deployments, self.tokenizer = cfg, deployments, tokenizer
         self.landing, self.sessions, self.follower = landing, sessions, follower
+        self.chat = chat_format(tokenizer)
         self.metrics = Metrics()
 
     def names(self) -> list[str]:
@@ -190,12 +191,17 @@ class Serving:
         stops: list[str] | None,
         constraint: Constraint | None = None,
         observe: Callable[[list[int]], bool] | None = None,
+        stop_ids: frozenset[int] = frozenset(),
     ) -> Future:
         """Queue one completion: a future of (Completion, recorded seed). `observe` sees the ids
-        after every token on the engine thread; it or a stop string returning True ends it."""
+        after every token on the engine thread; it or a stop string returning True ends it, as
+        does a token of `stop_ids` (the chat format's: harmony's <|return|> and <|call|>)."""
         hooks = [h for h in (observe, stop_at(self.tokenizer, stops) if stops else None) if h]
         on_token = (lambda ids: any([h(ids) for h in hooks])) if hooks else None  # noqa: E731 - every hook sees every token
-        return dep.engine.submit(EngineRequest(prompt_ids, params, constraint=constraint, on_token=on_token))
+        request = EngineRequest(
+            prompt_ids, params, constraint=constraint, on_token=on_token, stop_ids=stop_ids
+        )
+        return dep.engine.submit(request)
 
     async def record(
         self,
@@ -246,6 +252,10 @@ class Serving:
         keeps the tools in the prompt and returns the text as content). Compiled off the loop."""
         fmt, choice = req.response_format, req.tool_choice
         if fmt is not None and fmt.type != "text":
+            if not self.chat.serves_json:
+                raise ParamError(
+                    "response_format", "JSON replies are not supported for this model's chat format yet"
+                )
             if "response_format" not in dep.engine.engine.honours:
                 raise ParamError("response_format", "JSON replies are not supported by this engine yet")
             schema = fmt.json_schema.schema_ if fmt.json_schema else None
@@ -265,12 +275,24 @@ class Serving:
             raise ParamError("stop", "stop cannot cut a required tool call")
         name = None if choice == "required" else choice.function.name
         try:
-            return await asyncio.to_thread(required_tool_call, self.tokenizer, req.tools, name)
+            return await asyncio.to_thread(self.chat.forced_call, req.tools, name)
         except ValueError as e:
             raise ParamError("tool_choice", str(e)) from e
 
     def stream_chat(
-        self, dep, req, call_id, tid, prompt_ids, params, constraint, messages, ids, created, reply, calls
+        self,
+        dep,
+        req,
+        call_id,
+        tid,
+        prompt_ids,
+        params,
+        constraint,
+        messages,
+        ids,
+        created,
+        reply,
+        parse_calls,
     ):  # noqa: ANN001, ANN202, PLR0913
         """The SSE body of a streamed chat call: tokens as the engine produces them (an engine
         without per-token callbacks streams its finished completion); the call is recorded when
@@ -287,7 +309,9 @@ class Serving:
                 return True
             return gone.is_set()
 
-        future = self.submit(dep, prompt_ids, params, req.stop, constraint, observe if live else None)
+        future = self.submit(
+            dep, prompt_ids, params, req.stop, constraint, observe if live else None, self.chat.stop_ids
+        )
 
         def finished(f: Future) -> None:
             done = [] if live or f.cancelled() or f.exception() else f.result()[0].token_ids
@@ -324,15 +348,8 @@ class Serving:
             end,
             abandon,
             stops=req.stop,
-            tool_open=_opening_id(self.tokenizer, calls),
+            tool_open=self.chat.stream_hold(parse_calls),
         )
-
-
-def _opening_id(tokenizer: PreTrainedTokenizerBase, calls: ToolCallFormat | None) -> int | None:
-    """The token a streamed reply's text is held back from (the family's call marker), if it parses calls."""
-    if calls is None or calls.open_marker is None:
-        return None
-    return tokenizer.convert_tokens_to_ids(calls.open_marker)
 
 
 def expire_unscored(landing: LandingLog | None, sessions: SessionIndex) -> int:

@@ -123,6 +123,18 @@ def test_on_token_is_called_after_every_token_and_can_end_the_completion(tiny_mo
     assert seen == [free.token_ids[:n] for n in (1, 2, 3)]
 
 
+def test_a_stop_id_ends_the_completion_as_its_last_token(tiny_model, tokenizer, heldout):
+    """`Request.stop_ids` (harmony's <|call|>): the completion ends at such a token, kept."""
+    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    prompt = render_ids(tokenizer, ChessEpisode(heldout[0]).messages)
+    free = engine.generate([Request(prompt, SamplingParams(max_tokens=8, seed=7))])[0]
+    third = free.token_ids[2]
+    first = free.token_ids.index(third)
+    stopped = Request(prompt, SamplingParams(max_tokens=8, seed=7), stop_ids=frozenset({third}))
+    out = engine.generate([stopped])[0]
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
+
+
 def test_a_request_seed_is_batch_independent_beside_a_constrained_neighbour(tiny_model, tokenizer, heldout):
     """A neighbour's forced chain can be longer or shorter than this row's: the seeded row's own
     generator is used only where it has a choice, so its draws do not depend on the neighbour."""

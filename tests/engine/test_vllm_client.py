@@ -217,3 +217,9 @@ def test_golden_check_scores_log_probs_and_the_recording_command(tiny_model):
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert cmd[cmd.index("--max-logprobs") + 1] == "21" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--tokenizer") + 1] == "data/tokenizer"
+
+
+def test_stop_ids_go_to_vllm_as_stop_token_ids():
+    assert "stop_token_ids" not in _engine().request_body(Request([1]), None)
+    body = _engine().request_body(Request([1], stop_ids=frozenset({200012, 200002})), None)
+    assert body["stop_token_ids"] == [200002, 200012]

@@ -8,6 +8,7 @@ import json
 import openai
 import pytest
 
+from prodrl_pipeline.chat.harmony import HarmonyChat
 from prodrl_pipeline.gateway.process import live_root
 from prodrl_pipeline.model import build_model, pad_id
 from prodrl_pipeline.records.store import DeltaStore
@@ -121,3 +122,77 @@ def test_every_call_type_is_served_as_the_template_renders_it_or_refused_by_name
         assert again[: len(served["prompt_token_ids"]) + len(served["completion_token_ids"])] == (
             served["prompt_token_ids"] + served["completion_token_ids"]
         )
+
+
+@pytest.fixture(scope="module")
+def gptoss_gateway(tmp_path_factory):
+    tok = family_tokenizer("gptoss")
+    root = live_root(tmp_path_factory.mktemp("gptoss"), build_model(TINY, len(tok), pad_id(tok)))
+    gw = Gateway(root, "--tokenizer", str(family_dir("gptoss"))).start(timeout=180)
+    yield tok, gw
+    gw.stop()
+
+
+def test_gpt_oss_is_served_in_harmony_and_recorded_with_harmony_prompts(gptoss_gateway):
+    """gpt-oss (no chat template) through the gateway: every prompt recorded is openai-harmony's
+    rendering of what the client sent (chat/harmony.py's mapping, as vLLM's), a forced call is
+    harmony's commentary call ending at <|call|>, and a reply parses back to an OpenAI message."""
+    tok, gw = gptoss_gateway
+    client = _client(gw)
+    harmony = HarmonyChat(tok)
+    sent: dict[str, tuple[list[dict], list | None]] = {}
+
+    def chat(messages: list[dict], tools: list | None = None, **kwargs) -> object:
+        kwargs = {"max_tokens": 6, **kwargs}
+        reply = client.chat.completions.create(
+            model="base", messages=messages, tools=tools or openai.NOT_GIVEN, **kwargs
+        )
+        sent[reply.model_extra["prodrl"]["call_id"]] = (messages, tools)
+        return reply
+
+    user = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    plain = chat(user)
+    assert plain.choices[0].finish_reason in ("stop", "length")
+    history = {"role": "assistant", "content": "Hi.", "reasoning_content": "a greeting"}
+    chat([*user, history, {"role": "user", "content": "Again"}])
+    chat(user, logprobs=True, top_logprobs=3)
+    chunks = list(client.chat.completions.create(model="base", messages=user, max_tokens=6, stream=True))
+    sent[chunks[0].model_extra["prodrl"]["call_id"]] = (user, None)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    chat(user, [WEATHER])
+    forced = chat(user, [WEATHER], tool_choice="required", max_tokens=64)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chat(user, [WEATHER], tool_choice=named, max_tokens=64)
+    (call,) = forced.choices[0].message.tool_calls
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in (
+        "Oslo",
+        "Lima",
+    )
+    resent = [
+        *user,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": "-3 C"},
+    ]
+    chat(resent, [WEATHER])
+    with pytest.raises(openai.BadRequestError, match="JSON replies"):
+        chat(user, response_format={"type": "json_object"})
+
+    gw.stop()
+    landed = {r["call_id"]: r for r in DeltaStore(gw.root / "tables").read("landing_calls").to_pylist()}
+    assert set(sent) <= set(landed)
+    for call_id, (messages, tools) in sent.items():
+        assert landed[call_id]["prompt_token_ids"] == harmony.prompt_ids(messages, tools), messages
+    texts = {harmony.enc.decode(landed[i]["prompt_token_ids"]) for i in sent}
+    assert not any("a greeting" in t for t in texts)  # an earlier turn's reasoning is dropped
+    assert any(
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>-3 C" in t for t in texts
+    )
+    served = landed[forced.model_extra["prodrl"]["call_id"]]["completion_token_ids"]
+    header = harmony.enc.encode(
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>", allowed_special="all"
+    )
+    assert served[: len(header)] == header and served[-1] == tok.convert_tokens_to_ids("<|call|>")
+    stops = harmony.stop_ids
+    for record in landed.values():  # the engine stopped at <|return|> and <|call|>
+        assert not stops & set(record["completion_token_ids"][:-1])
