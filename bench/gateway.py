@@ -8,9 +8,11 @@ through `concurrency` streaming clients; throughput is completion tokens per sec
 own process hits /healthz every 50 ms during the gateway bursts. The clients share the 2 cores with
 the gateway (their CPU counts against it; the engine alone has none).
 
-Goals: recording's share of a serving second (1 - tokens/s recording ÷ tokens/s not recording)
-<= 0.05; /healthz p99 < 100 ms. Gateway ÷ engine alone is a figure: the clients share the cores
-with the gateway, not with the engine alone.
+Goal: /healthz p99 < 100 ms. Figures: gateway ÷ engine alone (the clients share the cores with the
+gateway, not with the engine alone) and recording's share of a serving second (1 − tokens/s
+recording ÷ tokens/s not recording): whole bursts differ by 20% and more from one to the next here,
+so this cannot resolve a 5% share; the goal on recording's cost is `bench.engine`'s, timed inside
+the engine's runs.
 Run: `.venv/bin/python -m bench.gateway` (about 3 minutes on 2 cores).
 """
 
@@ -199,7 +201,7 @@ def main() -> None:
     cpu_ratio = per_cpu["gateway, recording"] / per_cpu["engine alone"]
     print(f"  per CPU-second, gateway (recording) / engine alone = {cpu_ratio:.3f} (the gateway's own cost)")
     share = 1 - rate["gateway, recording"] / rate["gateway, no record"]
-    print(f"  recording's share of a serving second = {share:.3f} (goal <= 0.05: {_verdict(share <= 0.05)})")
+    print(f"  recording's share of a serving second = {share:.3f} (a figure: bursts vary more than this)")
     health = [t for r in results["gateway, recording"] for t in r["health"]]
     p99 = _q(health, 99)
     print(f"  /healthz p99 while recording = {p99:.0f} ms (goal < 100 ms: {_verdict(p99 < 100)})")

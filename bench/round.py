@@ -6,7 +6,7 @@ after its base model. Timers wrap, without changing them, the calls that do a ro
 - engine: `TorchEngine.generate` (collection and the held-out evaluation);
 - trainer: `train_round` (the optimizer steps) and `policy_logprobs` (the round's pi_k pass);
 - export: the NVFP4 export of the deployment;
-- tables: every `DeltaStore` read and write;
+- tables: every `DeltaStore` entry point (reads, queries, opening a table, writes, the live pointer);
 - environment: the chess episodes (`ChessEpisode` set-up and `step`) and the move constraints;
 - tokenizer: rendering conversations to prompt ids;
 - puzzle files, validation (of the collected calls), checkpoint files (with the resumable state),
@@ -72,7 +72,22 @@ WORK = {  # bucket: (owner, attribute) pairs, looked up at call time by their ca
     "engine": [(TorchEngine, "generate")],
     "trainer": [(assets.checkpoint, "train_round"), (assets.checkpoint, "policy_logprobs")],
     "export": [(assets.deployment, "export_deployment")],
-    "tables": [(DeltaStore, name) for name in ("read", "overwrite", "overwrite_round", "append")],
+    "tables": [  # every public entry point of the store (outermost calls only: no double counting)
+        (DeltaStore, name)
+        for name in (
+            "read",
+            "query",
+            "table",
+            "exists",
+            "overwrite",
+            "overwrite_round",
+            "append",
+            "transaction_version",
+            "move_live",
+            "set_live",
+            "live_deployment",
+        )
+    ],
     "environment": [
         (ChessEpisode, "__post_init__"),
         (ChessEpisode, "step"),

@@ -30,6 +30,8 @@ import httpx
 import torch
 from transformers import PreTrainedModel
 
+from prodrl_pipeline.records.registry import export_of
+
 RECORDING_FLAGS = ("--logprobs-mode", "processed_logprobs", "--generation-config", "vllm")
 """Log-probs after temperature, top-k/top-p and structured-output masks (what was sampled from),
 and no sampling defaults taken from the model's generation_config (the request's are recorded)."""
@@ -64,9 +66,10 @@ def serve_command(
 
 
 def weight_label(deployment: dict) -> str:
-    """The label vLLM tags a deployment's output with: its id and a digest of its export's URI
-    (a re-run of a round writes a new export under the same id)."""
-    digest = hashlib.sha256(deployment["path"].encode()).hexdigest()[:12]
+    """The label vLLM tags a deployment's output with: its id and a digest of its export (its URI
+    and registration time: a re-run of a round writes a new export under the same id, locally in
+    the same folder)."""
+    digest = hashlib.sha256(export_of(deployment).encode()).hexdigest()[:12]
     return f"{deployment['deployment_id']}@{digest}"
 
 

@@ -33,7 +33,7 @@ from prodrl_pipeline.gateway.serving import GatewayConfig, Serving, expire_unsco
 from prodrl_pipeline.gateway.sessions import SessionIndex
 from prodrl_pipeline.model import pad_id
 from prodrl_pipeline.quant.nvfp4 import load_deployment
-from prodrl_pipeline.records.registry import lookup
+from prodrl_pipeline.records.registry import export_of, lookup
 from prodrl_pipeline.records.store import DeltaStore
 
 
@@ -64,7 +64,7 @@ def embedded_loader(
             )
         batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
         loaded = Loaded(
-            row["deployment_id"], batcher, engine.model.config.max_position_embeddings, row["path"]
+            row["deployment_id"], batcher, engine.model.config.max_position_embeddings, export_of(row)
         )
         try:
             smoke_check(loaded, tokenizer.eos_token_id)
@@ -95,7 +95,7 @@ def vllm_loader(
             weight_version=weight_label(row) if args.vllm_follow else None,
         )
         batcher = BatchingEngine(engine, max_batch=args.max_batch, wait_ms=args.batch_wait_ms)
-        loaded = Loaded(row["deployment_id"], batcher, config.max_position_embeddings, row["path"])
+        loaded = Loaded(row["deployment_id"], batcher, config.max_position_embeddings, export_of(row))
         if args.vllm_follow:
             try:
                 smoke_check(loaded, tokenizer.eos_token_id)

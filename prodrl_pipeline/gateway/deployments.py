@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.gateway.batcher import BatchingEngine
+from prodrl_pipeline.records.registry import export_of
 from prodrl_pipeline.records.store import DeltaStore
 
 log = logging.getLogger("prodrl.gateway")
@@ -34,12 +35,12 @@ log = logging.getLogger("prodrl.gateway")
 @dataclass(eq=False)
 class Loaded:
     """One deployment loaded in the gateway: its id, its engine, its context length and the export
-    it was loaded from (the registry row's path)."""
+    it was loaded from (`records.registry.export_of` its registry row)."""
 
     deployment_id: str
     engine: BatchingEngine
     max_positions: int
-    path: str = ""
+    export: str = ""
     retire_at: float | None = None
     """Monotonic time after which it takes no new trajectories' calls (None while current)."""
     leases: int = 0
@@ -100,12 +101,12 @@ class Deployments:
         with self._lock:
             return self._promote(new)
 
-    def revive(self, deployment_id: str, path: str) -> Loaded | None:
-        """Make the draining deployment `deployment_id`, loaded from `path`, current again (live
+    def revive(self, deployment_id: str, export: str) -> Loaded | None:
+        """Make the draining deployment `deployment_id`, loaded from `export`, current again (live
         moved back to it before it was closed); the previous current one drains. Returns the
         previous one, None if that export is not draining."""
         with self._lock:
-            found = [d for d in self._draining if (d.deployment_id, d.path) == (deployment_id, path)]
+            found = [d for d in self._draining if (d.deployment_id, d.export) == (deployment_id, export)]
             if not found:
                 return None
             self._draining.remove(found[0])
@@ -167,7 +168,7 @@ class LiveFollower:
         self._failed: tuple[tuple[str, str], float] | None = None  # ((id, path), retry time)
 
     def check(self, now: float | None = None) -> str | None:
-        """One poll: switch to the live deployment if it changed (its id or its export's path).
+        """One poll: switch to the live deployment if it changed (its id or its export, `export_of`).
         Returns the id switched to."""
         now = time.monotonic() if now is None else now
         self.deployments.retire(now)
@@ -178,8 +179,8 @@ class LiveFollower:
         live = self.store.live_deployment()
         self._seen = version
         current = self.deployments.current
-        wanted = None if live is None else (live["deployment_id"], live["path"])
-        if wanted is None or wanted == (current.deployment_id, current.path):
+        wanted = None if live is None else (live["deployment_id"], export_of(live))
+        if wanted is None or wanted == (current.deployment_id, current.export):
             if self._failed:
                 self._failed = None
                 self.deployments.failed(None)

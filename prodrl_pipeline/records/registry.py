@@ -65,6 +65,13 @@ def register_deployment(
     store.overwrite("deployments", [row], f"deployment_id = '{deployment_id}'")
 
 
+def export_of(row: dict) -> str:
+    """A deployments row's export: its path and when it was registered. A re-export is another
+    export even at the same path (locally, a re-run of a round replaces the folder in place)."""
+    created = row.get("created_at")
+    return f"{row['path']}@{created.isoformat() if created is not None else ''}"
+
+
 def children(store: DeltaStore, checkpoint_id: str) -> list[str]:
     """The checkpoints trained from `checkpoint_id` (sorted ids)."""
     return sorted(

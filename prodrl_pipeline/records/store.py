@@ -15,7 +15,6 @@ commits since it was last used: ~0.5 ms, against ~8 ms to open the table).
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -102,12 +101,16 @@ def _as_schema(data: pa.Table, schema: pa.Schema) -> pa.Table:
     return data if data.schema.equals(schema) else data.cast(schema)
 
 
+def _commit_file(dt: DeltaTable, version: int) -> Path:
+    """A local table's commit file of `version`."""
+    return Path(unquote(dt.table_uri.removeprefix("file://"))) / "_delta_log" / f"{version:020d}.json"
+
+
 def _identity(dt: DeltaTable) -> tuple[int, int, int] | None:
     """The commit file of a local snapshot's version as (inode, size, modification time in ns);
     None if it is gone. Another value means another file: the table was deleted and made anew."""
-    folder = unquote(dt.table_uri.removeprefix("file://"))
     try:
-        stat = os.stat(os.path.join(folder, "_delta_log", f"{dt.version():020d}.json"))
+        stat = _commit_file(dt, dt.version()).stat()
     except FileNotFoundError:
         return None
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
@@ -189,8 +192,8 @@ class DeltaStore:
                     dt = None
                 if dt is None:
                     dt = self.table(table) if self.exists(table) else None
-                else:
-                    with self._reading(table):
+                elif not self._local or _commit_file(dt, dt.version() + 1).exists():
+                    with self._reading(table):  # a local snapshot with no next commit file is current
                         dt.update_incremental()
                 yield dt
                 if dt is not None:  # at the version the body left it at (a write moves it)
@@ -232,10 +235,13 @@ class DeltaStore:
         """Replace the rows matching `predicate` (e.g. "round = 3") by `rows`; returns the count. A
         predicate of exactly `round = k` on a partitioned table replaces round k's files, and every
         row must be of round k (a ValueError names those that are not, before anything is written).
-        A commit that loses a race to another writer's is made again from the new version (up to
-        OVERWRITE_ATTEMPTS times; then the CommitFailedError is raised)."""
+        A round overwrite whose commit loses a race to another writer's is made again from the new
+        version, up to OVERWRITE_ATTEMPTS times: its rows are the round whatever the table held, so
+        none of a racing append's rows stays in it. Any other overwrite's rows may have been built
+        from a read the race made stale (the registry's): its lost race is raised, naming the table."""
         data = self._conform(table, rows)
-        if table in PARTITIONED and (match := ROUND_PREDICATE.fullmatch(predicate)):
+        whole_round = table in PARTITIONED and (match := ROUND_PREDICATE.fullmatch(predicate)) is not None
+        if whole_round:
             round_ = int(match[1])
             outside = data.num_rows - (pc.sum(pc.equal(data["round"], round_)).as_py() or 0)  # nulls too
             if outside:
@@ -249,14 +255,14 @@ class DeltaStore:
                 self._write(table, data, {"predicate": predicate}, None, predicate)
                 return data.num_rows
             except CommitFailedError as e:
-                if attempt == OVERWRITE_ATTEMPTS:
-                    raise
+                if not (whole_round and "concurrent" in str(e)) or attempt == OVERWRITE_ATTEMPTS:
+                    raise CommitFailedError(
+                        f"table {table!r}: the overwrite of {predicate} was not committed "
+                        f"(attempt {attempt}): {_one_line(e)}"
+                    ) from e
                 attempt += 1
                 log.info(
-                    "table %r: the overwrite of %s lost a race; made again: %s",
-                    table,
-                    predicate,
-                    _one_line(e),
+                    "table %r: the overwrite of %s lost a race; again: %s", table, predicate, _one_line(e)
                 )
 
     def _write(
@@ -277,18 +283,21 @@ class DeltaStore:
         partition_by = [PARTITION] if table in PARTITIONED else None
         try:
             with self._latest(table) as target:
-                if target is None:
-                    write_deltalake(
+                if target is None:  # created by this write: as an append, so a table another writer
+                    write_deltalake(  # made meanwhile loses nothing (an overwrite would replace it whole)
                         self.uri(table),
                         data,
-                        mode=mode,
+                        mode="append",
                         partition_by=partition_by,
                         storage_options=self.storage_options,
                         configuration=TABLE_PROPERTIES,
                         commit_properties=commit,
                         post_commithook_properties=NO_HOOKS,
                     )
-                    version = 0
+                    with self._reading(table):
+                        created = DeltaTable(self.uri(table), storage_options=self.storage_options)
+                    version = created.version()
+                    self._snapshots[table] = (created, _identity(created) if self._local else None)
                 else:
                     write_deltalake(
                         target,
@@ -302,6 +311,9 @@ class DeltaStore:
                     )
                     version = target.version()
                     self._checkpoint(table, target, version)
+            if target is None and version > 0 and predicate is not None:
+                # another writer made the table first: what it holds under the predicate is replaced
+                return self._write(table, data, extra, transaction, predicate)
         except (CommitFailedError, StorageError):  # a lost race; or the snapshot's read named the table
             raise
         except (DeltaError, OSError) as e:

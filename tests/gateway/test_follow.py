@@ -17,6 +17,7 @@ from prodrl_pipeline.gateway.sessions import SessionIndex
 from prodrl_pipeline.model import build_model
 from prodrl_pipeline.quant.nvfp4 import export_deployment
 from prodrl_pipeline.records.registry import register_deployment
+from prodrl_pipeline.records.registry import export_of
 from prodrl_pipeline.records.store import DeltaStore
 from tests.conftest import TINY
 from tests.gateway.conftest import SERVE_KEY, Gateway, make_root
@@ -101,9 +102,10 @@ def test_the_follower_loads_beside_switches_drains_and_survives_a_failed_load(tm
 
 
 def test_the_follower_reloads_the_live_deployment_when_it_is_re_exported(tmp_path, tokenizer):
-    """A re-run of the live round registers a new export under the same id (another path, so
-    another vLLM label): the follower loads it beside the old export and switches; a registry commit
-    that leaves the live row's export as it was loads nothing."""
+    """A re-run of the live round registers a new export under the same id (locally in the same
+    folder, replaced in place; on S3 another version): another export and another vLLM label; the
+    follower loads it beside the old export and switches; a registry commit that leaves the live
+    row's export as it was loads nothing."""
     root = make_root(tmp_path, tokenizer)
     store = DeltaStore(root / "tables")
     load = embedded_loader(parser().parse_args([]), tokenizer, Artifacts(str(root)))
@@ -114,12 +116,13 @@ def test_the_follower_reloads_the_live_deployment_when_it_is_re_exported(tmp_pat
     try:
         first = deployments.current
         assert follower.check() is None  # what it serves is live
-        _register(root, tokenizer, "r1", seed=12, folder="r1-rerun")  # the round re-run: same id, live kept
+        before = store.live_deployment()
+        _register(root, tokenizer, "r1", seed=12)  # the round re-run: same id and folder, live kept
         live = store.live_deployment()
-        assert live["deployment_id"] == "r1" and live["path"] == str(root / "deployments" / "r1-rerun")
-        assert weight_label(live) != weight_label({"deployment_id": "r1", "path": first.path})
+        assert live["deployment_id"] == "r1" and live["path"] == before["path"]
+        assert weight_label(live) != weight_label(before)
         assert follower.check() == "r1"
-        assert deployments.current.path == live["path"] and deployments.current is not first
+        assert deployments.current.export == export_of(live) and deployments.current is not first
         assert deployments.ids() == ["r1", "r1"] and deployments.switches == 1  # the old export drains
         assert deployments.acquire(None, pinned="r1") is deployments.current  # its trajectories move on
         serving = Serving(GatewayConfig(), deployments, tokenizer, None, SessionIndex(60))
