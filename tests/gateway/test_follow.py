@@ -16,8 +16,7 @@ from prodrl_pipeline.gateway.serving import GatewayConfig, Serving
 from prodrl_pipeline.gateway.sessions import SessionIndex
 from prodrl_pipeline.model import build_model
 from prodrl_pipeline.quant.nvfp4 import export_deployment
-from prodrl_pipeline.records.registry import register_deployment
-from prodrl_pipeline.records.registry import export_of
+from prodrl_pipeline.records.registry import export_of, register_deployment
 from prodrl_pipeline.records.store import DeltaStore
 from tests.conftest import TINY
 from tests.gateway.conftest import SERVE_KEY, Gateway, make_root

@@ -76,8 +76,6 @@ def test_an_overwrite_that_loses_every_race_raises_and_leaves_the_last_committed
     assert _ids(store.read("calls")) == [(1, "c0")] + [(1, f"c{90 + i}") for i in range(OVERWRITE_ATTEMPTS)]
 
 
-
-
 def test_a_kept_snapshot_sees_another_writer_s_commits(tmp_path):
     ours, theirs = DeltaStore(tmp_path, lineage=True), DeltaStore(tmp_path)
     theirs.overwrite_round("calls", [_call(0, 1, [1], [-1.0])], 1)
