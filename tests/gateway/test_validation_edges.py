@@ -14,14 +14,14 @@ import pytest
 from fastapi import HTTPException
 from pydantic import ValidationError
 
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.engine.rows import Completion
 from prodrl_pipeline.gateway.protocol import ChatRequest, CompletionRequest, ParamError
 from prodrl_pipeline.gateway.responses import Ending, TokenFeed, chat_stream, cut_at_stop, stop_at, text_of
 from prodrl_pipeline.gateway.serving import GatewayConfig, Serving
 
 USER = [{"role": "user", "content": "hi"}]
-TRAJECTORY_CHARACTERS = set(string.ascii_letters + string.digits + "_.:-")  # docs/gateway.md
-RULE = "a trajectory id is 1-256 characters of [A-Za-z0-9_.:-]"
+TOKENIZER = load_tokenizer("data/tokenizer")
 
 
 def _trajectory(header=None, metadata=None, user=None) -> str:
@@ -29,31 +29,16 @@ def _trajectory(header=None, metadata=None, user=None) -> str:
     return Serving.trajectory_of(req, header, "call-7")
 
 
-def _refused_trajectory(**given) -> str:
-    with pytest.raises(HTTPException) as refused:
-        _trajectory(**given)
-    assert refused.value.status_code == 400
-    return refused.value.detail
-
-
-def test_a_trajectory_id_is_one_to_256_characters_of_its_class_and_nothing_else():
-    for tid in ("a", "Z", "0", "-", ".", ":", "_", "x" * 256, "run-3:traj_0.1"):
-        assert _trajectory(header=tid) == tid
+def test_any_trajectory_id_is_taken_exactly_as_given():
+    """Any string OpenAI accepts names a trajectory, kept as data (docs/gateway.md): every printable
+    character and a few others, alone and inside an id, long ones, SQL-looking ones."""
+    odd = [*string.printable, "é", "ß", "\u00a0", "\u2028", "٣", "\x00", "\x7f"]
+    ids = [t for c in odd for t in (c, f"ab{c}", f"{c}ab", f"a{c}b")]
+    ids += ["x" * 257, "ok\nbad", "a'; DROP TABLE calls; --", "alice@example.com", "user 42"]
+    for tid in ids:
         assert _trajectory(metadata={"trajectory_id": tid}) == tid
         assert _trajectory(user=tid) == tid
-    # every printable ASCII character, a few others, alone and inside an id (not just at its start)
-    for c in [*string.printable, "é", "ß", "\u00a0", "\u2028", "٣", "\x00", "\x7f"]:
-        for tid in (c, f"ab{c}", f"{c}ab", f"a{c}b"):
-            if set(tid) <= TRAJECTORY_CHARACTERS:
-                assert _trajectory(header=tid) == tid
-            else:
-                assert _refused_trajectory(header=tid) == f"X-Prodrl-Trajectory-Id: {RULE}"
-    for tid in ("x" * 257, "ok\n", "ok\nbad", "a'; DROP TABLE calls; --"):
-        assert _refused_trajectory(header=tid).startswith("X-Prodrl-Trajectory-Id: ")
-        assert _refused_trajectory(metadata={"trajectory_id": tid}).startswith("metadata.trajectory_id: ")
-    assert _refused_trajectory(user="bad id").startswith("user: ")  # `user` is at most 256 characters anyway
-    with pytest.raises(ValidationError):
-        ChatRequest(messages=USER, user="x" * 257)
+    assert _trajectory(header="a%20b%C3%A9") == "a bé"  # the header is percent-decoded
 
 
 def test_the_first_trajectory_id_given_wins_an_empty_one_is_not_given_and_none_means_the_call_id():
@@ -62,9 +47,6 @@ def test_the_first_trajectory_id_given_wins_an_empty_one_is_not_given_and_none_m
     assert _trajectory(header="h", metadata={"trajectory_id": "m"}, user="u") == "h"
     assert _trajectory(header="", metadata={"trajectory_id": "m"}, user="u") == "m"
     assert _trajectory(metadata={"other": "x"}, user="u") == "u"
-    # the first one given is the one checked: a bad later one is never read, a bad first one refused
-    assert _trajectory(header="h", metadata={"trajectory_id": "bad id"}) == "h"
-    assert _refused_trajectory(header="bad id", metadata={"trajectory_id": "m"}).startswith("X-Prodrl")
 
 
 def _deployment(vocab: int = 50, positions: int = 10, honours=("on_token", "logit_bias")) -> SimpleNamespace:
@@ -73,7 +55,7 @@ def _deployment(vocab: int = 50, positions: int = 10, honours=("on_token", "logi
 
 
 def _sampling(req, prompt=(1, 2), **deployment):
-    serving = Serving(GatewayConfig(default_max_tokens=4), None, None, None, None)
+    serving = Serving(GatewayConfig(default_max_tokens=4), None, TOKENIZER, None, None)
     param = "messages" if isinstance(req, ChatRequest) else "prompt"
     return serving.sampling(_deployment(**deployment), list(prompt), req, param)
 
@@ -289,7 +271,7 @@ def test_an_expired_trajectory_is_refused_and_unscored_ones_expire_once_into_rej
         }
         for t in ("t1", "t3")
     ]
-    serving = Serving(GatewayConfig(), None, None, None, sessions)
+    serving = Serving(GatewayConfig(), None, TOKENIZER, None, sessions)
     with pytest.raises(HTTPException) as refused:
         serving.open_trajectory(ChatRequest(messages=USER), "t1", "call-1")
     assert refused.value.status_code == 409
@@ -299,7 +281,7 @@ def test_an_expired_trajectory_is_refused_and_unscored_ones_expire_once_into_rej
 
 
 def test_the_metrics_page_lists_each_outcome_then_each_gauge():
-    serving = Serving(GatewayConfig(), None, None, None, None)
+    serving = Serving(GatewayConfig(), None, TOKENIZER, None, None)
     assert serving.metrics.render({}) == "\n"
     serving.metrics.counts["client_gone"] += 1
     serving.metrics.counts["chat"] += 2
@@ -332,7 +314,7 @@ def test_a_served_call_is_recorded_field_by_field_and_its_prefix_continuity_coun
     store = DeltaStore(tmp_path / "tables")
     landing = LandingLog(store, tmp_path / "spool")
     landing.start()
-    serving = Serving(GatewayConfig(), None, None, landing, SessionIndex(60.0))
+    serving = Serving(GatewayConfig(), None, TOKENIZER, landing, SessionIndex(60.0))
     dep = SimpleNamespace(
         deployment_id="dep-1", engine=SimpleNamespace(engine=SimpleNamespace(vocab_size=50))
     )
@@ -360,7 +342,7 @@ def test_a_served_call_is_recorded_field_by_field_and_its_prefix_continuity_coun
         asyncio.run(serving.record(dep, call, tid, prompt, done, params, 123, messages))
     after = datetime.now(UTC)
     assert serving.metrics.prefix == {"extends": 2, "breaks": 1}
-    quiet = Serving(GatewayConfig(record=False), None, None, landing, serving.sessions)
+    quiet = Serving(GatewayConfig(record=False), None, TOKENIZER, landing, serving.sessions)
     asyncio.run(quiet.record(dep, "c4", "t1", [1], done, params, 123, messages))  # counted, not recorded
     landing.stop()
     rows = sorted(store.read("landing_calls").to_pylist(), key=lambda r: r["call_id"])
