@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from prodrl_pipeline.chat.render import TemplateError, control_markers, render_ids
 
 PROBE_NAME, PROBE_ARGUMENTS = "probe_tool_name", '{"probe_argument": "probe value"}'
+PROBE_CONTENT = "probe content"
 PROBE_TOOL = {
     "type": "function",
     "function": {"name": PROBE_NAME, "description": "d", "parameters": {"type": "object", "properties": {}}},
@@ -58,6 +59,9 @@ class ToolCallFormat:
     """Up to, not including, the end-of-turn token."""
     open_marker: str | None
     """The control marker a call starts with (streaming holds text back from it), if any."""
+    separator: str = ""
+    """What the template writes between a turn's text and a call (Qwen3: a newline): parsed
+    content gives it back, so the turn re-sent as history renders as it was generated."""
 
     def parse(self, text: str, call_id_prefix: str = "call") -> dict:
         """An OpenAI assistant message from completion text (the end-of-turn token left out): the text
@@ -69,7 +73,7 @@ class ToolCallFormat:
         while (i := text.find(start, pos)) >= 0:
             j = text.find(end, i + len(start)) if end else -1
             stop = j + len(end) if j >= 0 else len(text)
-            content.append(text[pos:i])
+            content.append(text[pos:i].removesuffix(self.separator) if self.separator else text[pos:i])
             calls.append(self._call(text[i:stop], f"{call_id_prefix}_{len(calls)}"))
             pos = stop
         content.append(text[pos:])
@@ -133,7 +137,22 @@ def tool_call_format(tokenizer: PreTrainedTokenizerBase) -> ToolCallFormat | Non
         between=turn[name_at + len(PROBE_NAME) : arguments_at],
         after_arguments=turn[arguments_at + len(PROBE_ARGUMENTS) : end_at],
         open_marker=opening,
+        separator=_separator(tokenizer, prompt, before),
     )
+
+
+def _separator(tokenizer: PreTrainedTokenizerBase, prompt: str, before_name: str) -> str:
+    """The text between a turn's content and its call ("" if the template takes no content beside
+    a call, or puts something else between)."""
+    try:
+        turn = tokenizer.apply_chat_template(
+            _conversation(PROBE_NAME, PROBE_ARGUMENTS, PROBE_CONTENT), tokenize=False
+        )[len(prompt) :]
+    except Exception:  # noqa: BLE001 - a template that cannot take both
+        return ""
+    start, end = turn.find(PROBE_CONTENT), turn.find(before_name)
+    gap = turn[start + len(PROBE_CONTENT) : end] if 0 <= start < end else ""
+    return gap if gap.strip() == "" else ""
 
 
 @lru_cache(maxsize=16)

@@ -1,0 +1,37 @@
+"""A family's tool-call format read off its template: replies parsed so that, re-sent as history, they
+render as they were generated."""
+
+from prodrl_pipeline.chat.tool_calls import tool_call_format
+from tests.families import family_tokenizer
+
+
+def test_a_qwen3_reply_with_text_and_two_calls_re_renders_as_generated():
+    tok = family_tokenizer("qwen3")
+    fmt = tool_call_format(tok)
+    assert fmt is not None and fmt.separator == "\n" and fmt.open_marker == "<tool_call>"
+    generated = (
+        'Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>'
+        '\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>'
+    )
+    message = fmt.parse(generated)
+    assert message["content"] == "Sure."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("a", '{"x": 1}'),
+        ("b", "{}"),
+    ]
+    history = [
+        {"role": "user", "content": "u"},
+        message,
+        {"role": "tool", "tool_call_id": "call_0", "content": "r"},
+    ]
+    rendered = tok.apply_chat_template(history, tokenize=False)
+    assert f"<|im_start|>assistant\n{generated}<|im_end|>" in rendered
+
+
+def test_a_call_that_does_not_match_the_format_keeps_its_text_with_no_name():
+    fmt = tool_call_format(family_tokenizer("qwen3"))
+    message = fmt.parse("<tool_call>\nnot json\n</tool_call>")
+    assert message["tool_calls"][0]["function"] == {
+        "name": "",
+        "arguments": "<tool_call>\nnot json\n</tool_call>",
+    }
