@@ -23,6 +23,19 @@ from prodrl_pipeline.chat.render import load_tokenizer
 VERSION = "3.7.2"
 FAMILIES = ("qwen3", "llama3_1", "gemma3", "deepseek_v3", "gptoss")
 TEMPLATED = ("qwen3", "llama3_1", "gemma3", "deepseek_v3")
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]}},
+            "required": ["city"],
+        },
+    },
+}
+"""A tool whose one parameter is an enum: what a required or named call can be constrained to."""
 CACHE = Path(os.environ.get("PRODRL_TOKENIZER_CACHE", Path.home() / ".cache" / "prodrl" / "tokenizers"))
 
 

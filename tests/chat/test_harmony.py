@@ -17,20 +17,7 @@ from openai_harmony import (
 from prodrl_pipeline.chat.harmony import START_DATE, HarmonyChat
 from prodrl_pipeline.chat.render import TemplateError, is_harmony, load_tokenizer
 from prodrl_pipeline.engine.constraints import ChoiceConstraint
-from tests.families import family_dir, family_tokenizer
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]}},
-            "required": ["city"],
-        },
-    },
-}
+from tests.families import WEATHER, family_dir, family_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,21 +13,9 @@ from prodrl_pipeline.gateway.process import live_root
 from prodrl_pipeline.model import build_model, pad_id
 from prodrl_pipeline.records.store import DeltaStore
 from tests.conftest import TINY
-from tests.families import TEMPLATED, family_dir, family_tokenizer
+from tests.families import TEMPLATED, WEATHER, family_dir, family_tokenizer
 from tests.gateway.conftest import SERVE_KEY, Gateway
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]}},
-            "required": ["city"],
-        },
-    },
-}
 WITH_TOOLS = {"qwen3"}  # the families whose template renders tool definitions
 THINKING = {"qwen3", "deepseek_v3"}
 
@@ -51,6 +39,20 @@ def _reference(tok, messages, tools=None) -> list[int]:
         texts = [{**m, "content": "" if m.get("content") is None else m["content"]} for m in messages]
         ids = tok.apply_chat_template(texts, tools=tools, tokenize=True, add_generation_prompt=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _resent(user: list[dict], forced) -> list[dict]:  # noqa: ANN001
+    """The conversation with a forced `get_weather` call (checked to be one) and its result."""
+    (call,) = forced.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in (
+        "Oslo",
+        "Lima",
+    )
+    return [
+        *user,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": "-3 C"},
+    ]
 
 
 def _client(gw) -> openai.OpenAI:
@@ -95,16 +97,7 @@ def test_every_call_type_is_served_as_the_template_renders_it_or_refused_by_name
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
             max_tokens=64,
         )
-        call = forced.choices[0].message.tool_calls[0]
-        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in (
-            "Oslo",
-            "Lima",
-        )
-        resent = [
-            *user,
-            {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
-            {"role": "tool", "tool_call_id": call.id, "content": "-3 C"},
-        ]
+        resent = _resent(user, forced)
         chat("tool history", resent, [WEATHER])
     else:
         with pytest.raises(openai.BadRequestError, match="renders no tool definitions"):
@@ -163,17 +156,8 @@ def test_gpt_oss_is_served_in_harmony_and_recorded_with_harmony_prompts(gptoss_g
     forced = chat(user, [WEATHER], tool_choice="required", max_tokens=64)
     named = {"type": "function", "function": {"name": "get_weather"}}
     chat(user, [WEATHER], tool_choice=named, max_tokens=64)
-    (call,) = forced.choices[0].message.tool_calls
     assert forced.choices[0].finish_reason == "tool_calls"
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in (
-        "Oslo",
-        "Lima",
-    )
-    resent = [
-        *user,
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
-        {"role": "tool", "tool_call_id": call.id, "content": "-3 C"},
-    ]
+    resent = _resent(user, forced)
     chat(resent, [WEATHER])
     with pytest.raises(openai.BadRequestError, match="JSON replies"):
         chat(user, response_format={"type": "json_object"})
