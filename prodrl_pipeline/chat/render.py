@@ -40,6 +40,7 @@ SENTINEL_BASE, SENTINEL_COUNT = 0xF0000, 0xFFFE  # Supplementary Private Use Are
 SENTINEL = re.compile(f"[{chr(SENTINEL_BASE)}-{chr(SENTINEL_BASE + SENTINEL_COUNT - 1)}]")
 MARKUP = re.compile(r"<[^\s<>]+>|\[[^\s\[\]]+\]")  # `<tool_call>`, `<｜User｜>`, `[INST]`: how a marker looks
 PROBE = "probe"
+PROBE_NAME, PROBE_ARGUMENTS = "probe_tool_name", '{"probe_argument": "probe value"}'
 
 
 class TemplateError(ValueError):
@@ -65,6 +66,61 @@ def is_harmony(tokenizer: PreTrainedTokenizerBase) -> bool:
     harmony's, rendered by `chat.harmony`)."""
     special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
     return tokenizer.chat_template is None and set(HARMONY_MARKERS) <= special
+
+
+def call_conversation(name: str, arguments: str | dict, content: str | None = None) -> list[dict]:
+    """A user turn, an assistant turn holding one call `name(arguments)`, and the call's result."""
+    call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": content, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "r"},
+    ]
+
+
+@lru_cache(maxsize=16)
+def reads_argument_objects(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the template renders a call's arguments from a JSON object, as transformers' chat
+    templates take them (Llama 3's `arguments | tojson`), and not from OpenAI's JSON string (which
+    Qwen3's writes as it is): the probe's string is not in its rendering, its object's `tojson` is."""
+    for content in (None, ""):  # DeepSeek's renders a call only beside null content, Qwen3's only beside text
+        try:
+            as_text = tokenizer.apply_chat_template(
+                call_conversation(PROBE_NAME, PROBE_ARGUMENTS, content), tokenize=False
+            )
+            if PROBE_ARGUMENTS in as_text:
+                return False
+            objects = call_conversation(PROBE_NAME, json.loads(PROBE_ARGUMENTS), content)
+            if PROBE_ARGUMENTS in tokenizer.apply_chat_template(objects, tokenize=False):
+                return True
+        except Exception:  # noqa: BLE001 - a template that refuses this content; the next one decides
+            continue
+    return False
+
+
+def _argument_objects(messages: list[dict]) -> list[dict]:
+    """History calls with their arguments as the JSON values their strings hold (TemplateError
+    naming the call when one is not JSON: the template could only render it changed)."""
+    out = []
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        if calls and isinstance(calls, list):
+            parsed = []
+            for j, call in enumerate(calls):
+                function = call.get("function") or {}
+                arguments = function.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments) if arguments.strip() else {}
+                    except json.JSONDecodeError:
+                        raise TemplateError(
+                            f"messages.{i}.tool_calls.{j}.function.arguments is not JSON, and this model's "
+                            "chat template renders arguments as a JSON object"
+                        ) from None
+                parsed.append({**call, "function": {**function, "arguments": arguments}})
+            message = {**message, "tool_calls": parsed}
+        out.append(message)
+    return out
 
 
 def _template_source(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -180,7 +236,10 @@ def _nothing_dropped(text: str, messages: list[dict], tools: list | None) -> Non
     for message in messages:
         for call in message.get("tool_calls") or []:
             function = call.get("function") or {}
-            for value in (function.get("name"), function.get("arguments")):
+            arguments = function.get("arguments")
+            if isinstance(arguments, dict) and arguments:  # rendered by `tojson`
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            for value in (function.get("name"), arguments):
                 if isinstance(value, str) and value:
                     wanted[value] = wanted.get(value, 0) + 1
     for value, count in wanted.items():
@@ -202,7 +261,12 @@ def render_ids(
     assistant turn), every client string's control-marker text kept text (module docstring). A null
     content the template cannot take (Qwen3's tests it as a string) is rendered as "", what it renders
     for a turn without text. Raises TemplateError when the template drops a tool or a history tool
-    call (`_nothing_dropped`), or a request holds more escaped strings than there are sentinels."""
+    call (`_nothing_dropped`), or a request holds more escaped strings than there are sentinels. A
+    template that renders call arguments only from objects (`reads_argument_objects`) gets each
+    string parsed (vLLM parses them for every template); one that writes a string as it is gets the
+    client's string."""
+    if reads_argument_objects(tokenizer):
+        messages = _argument_objects(messages)
     pattern, heads, tails = _escapes(tokenizer)
     longest = max(map(len, heads), default=0)
     held: list[str] = []

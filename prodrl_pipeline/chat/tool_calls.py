@@ -19,9 +19,16 @@ from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
-from prodrl_pipeline.chat.render import TemplateError, control_markers, render_ids
+from prodrl_pipeline.chat.render import (
+    PROBE_ARGUMENTS,
+    PROBE_NAME,
+    TemplateError,
+    call_conversation,
+    control_markers,
+    reads_argument_objects,
+    render_ids,
+)
 
-PROBE_NAME, PROBE_ARGUMENTS = "probe_tool_name", '{"probe_argument": "probe value"}'
 PROBE_CONTENT = "probe content"
 PROBE_TOOL = {
     "type": "function",
@@ -29,13 +36,13 @@ PROBE_TOOL = {
 }
 
 
-def _conversation(name: str, arguments: str, content: str | None = None) -> list[dict]:
-    call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": arguments}}
-    return [
-        {"role": "user", "content": "u"},
-        {"role": "assistant", "content": content, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_0", "content": "r"},
-    ]
+def _conversation(
+    tokenizer: PreTrainedTokenizerBase, name: str, arguments: str, content: str | None = None
+) -> list[dict]:
+    """`call_conversation` with the arguments in the form the template reads (an object or a string)."""
+    return call_conversation(
+        name, json.loads(arguments) if reads_argument_objects(tokenizer) else arguments, content
+    )
 
 
 @lru_cache(maxsize=16)
@@ -43,7 +50,7 @@ def _call_content(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The content a call-only assistant turn renders with: null (OpenAI's), or "" for a template
     that cannot take null (Qwen3's tests `'</think>' in content`)."""
     try:
-        tokenizer.apply_chat_template(_conversation(PROBE_NAME, PROBE_ARGUMENTS), tokenize=False)
+        tokenizer.apply_chat_template(_conversation(tokenizer, PROBE_NAME, PROBE_ARGUMENTS), tokenize=False)
         return None
     except Exception:  # noqa: BLE001 - the template's own error: it needs a string
         return ""
@@ -63,18 +70,24 @@ class ToolCallFormat:
     """What the template writes between a turn's text and a call (Qwen3: a newline): parsed
     content gives it back, so the turn re-sent as history renders as it was generated."""
 
+    @property
+    def call_start(self) -> str:
+        """The text a call starts with: its control marker, else the text before its name."""
+        return self.open_marker or self.before_name
+
     def parse(self, text: str, call_id_prefix: str = "call") -> dict:
         """An OpenAI assistant message from completion text (the end-of-turn token left out): the text
-        outside calls as content, each call's name and arguments (a JSON string). A call that does not
-        match the format keeps its raw text as arguments, with an empty name."""
-        calls, content, pos = [], [], 0
-        start = self.before_name if self.open_marker is None else self.open_marker
-        end = self.after_arguments.strip() or None
+        outside calls as content, each call's name and arguments (a JSON string). A call opened by a
+        control marker that does not match the format keeps its raw text as arguments, with an empty
+        name; without a marker (Llama 3's bare JSON), text that does not match stays content."""
+        calls, content, pos, start = [], [], 0, self.call_start
         while (i := text.find(start, pos)) >= 0:
-            j = text.find(end, i + len(start)) if end else -1
-            stop = j + len(end) if j >= 0 else len(text)
-            content.append(text[pos:i].removesuffix(self.separator) if self.separator else text[pos:i])
-            calls.append(self._call(text[i:stop], f"{call_id_prefix}_{len(calls)}"))
+            stop, call = self._call(text, i, f"{call_id_prefix}_{len(calls)}")
+            if call is None:
+                content.append(text[pos:stop])
+            else:
+                content.append(text[pos:i].removesuffix(self.separator) if self.separator else text[pos:i])
+                calls.append(call)
             pos = stop
         content.append(text[pos:])
         message: dict = {"role": "assistant", "content": "".join(content)}
@@ -82,15 +95,47 @@ class ToolCallFormat:
             message["tool_calls"] = calls
         return message
 
-    def _call(self, raw: str, call_id: str) -> dict:
-        pattern = re.escape(self.before_name.strip()) + r"(?P<name>.*?)" + re.escape(self.between)
-        pattern += r"(?P<arguments>.*)" + re.escape(self.after_arguments.strip())
-        name, arguments = "", raw
-        if match := re.fullmatch(r"\s*" + pattern + r"\s*", raw, flags=re.S):
-            name, arguments = match["name"], match["arguments"]
-        elif self.open_marker and (body := _json_call(raw.removeprefix(self.open_marker), self)):
-            name, arguments = body
-        return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    def _call(self, text: str, i: int, call_id: str) -> tuple[int, dict | None]:
+        """The call starting at `i` and where it ends: the first end of the format's closing text
+        after which the call matches with JSON arguments (Llama 3's closing `}` also closes nested
+        objects), else the first at which it matches, else the first closing (a marker's call with
+        its raw text) or, without a marker, no call (where to look on)."""
+        end = self.after_arguments.strip()
+        opened = i + len(self.call_start)
+        stops = [m.end() for m in re.finditer(re.escape(end), text[opened:])] if end else []
+        stops = [opened + s for s in stops] or [len(text)]
+        matches = [(stop, m) for stop in stops if (m := self._pattern.fullmatch(text, i, stop))]
+        if matches:
+            stop, match = next(((s, m) for s, m in matches if _is_json(m["arguments"])), matches[0])
+            return stop, _message_call(call_id, match["name"], match["arguments"])
+        if self.open_marker is None:
+            return opened, None
+        raw = text[i : stops[0]]
+        name, arguments = _json_call(raw.removeprefix(self.open_marker), self) or ("", raw)
+        return stops[0], _message_call(call_id, name, arguments)
+
+    @property
+    def _pattern(self) -> re.Pattern:
+        return _call_pattern(self.before_name, self.between, self.after_arguments)
+
+
+@lru_cache(maxsize=64)
+def _call_pattern(before_name: str, between: str, after_arguments: str) -> re.Pattern:
+    body = re.escape(before_name.strip()) + r"(?P<name>.*?)" + re.escape(between)
+    body += r"(?P<arguments>.*)" + re.escape(after_arguments.strip())
+    return re.compile(r"\s*" + body + r"\s*", flags=re.S)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _message_call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _json_call(raw: str, fmt: ToolCallFormat) -> tuple[str, str] | None:
@@ -116,10 +161,12 @@ def tool_call_format(tokenizer: PreTrainedTokenizerBase) -> ToolCallFormat | Non
         if PROBE_NAME not in with_tools:
             return None  # the template drops tool definitions
         prompt = tokenizer.apply_chat_template(
-            _conversation(PROBE_NAME, PROBE_ARGUMENTS)[:1], tokenize=False, add_generation_prompt=True
+            _conversation(tokenizer, PROBE_NAME, PROBE_ARGUMENTS)[:1],
+            tokenize=False,
+            add_generation_prompt=True,
         )
         full = tokenizer.apply_chat_template(
-            _conversation(PROBE_NAME, PROBE_ARGUMENTS, _call_content(tokenizer)), tokenize=False
+            _conversation(tokenizer, PROBE_NAME, PROBE_ARGUMENTS, _call_content(tokenizer)), tokenize=False
         )
     except Exception:  # noqa: BLE001 - a template that refuses the probe has no format
         return None
@@ -146,7 +193,7 @@ def _separator(tokenizer: PreTrainedTokenizerBase, prompt: str, before_name: str
     a call, or puts something else between)."""
     try:
         turn = tokenizer.apply_chat_template(
-            _conversation(PROBE_NAME, PROBE_ARGUMENTS, PROBE_CONTENT), tokenize=False
+            _conversation(tokenizer, PROBE_NAME, PROBE_ARGUMENTS, PROBE_CONTENT), tokenize=False
         )[len(prompt) :]
     except Exception:  # noqa: BLE001 - a template that cannot take both
         return ""
@@ -157,7 +204,7 @@ def _separator(tokenizer: PreTrainedTokenizerBase, prompt: str, before_name: str
 
 @lru_cache(maxsize=16)
 def _probe_prompt(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    return render_ids(tokenizer, _conversation(PROBE_NAME, PROBE_ARGUMENTS)[:1])
+    return render_ids(tokenizer, _conversation(tokenizer, PROBE_NAME, PROBE_ARGUMENTS)[:1])
 
 
 def call_ids(tokenizer: PreTrainedTokenizerBase, name: str, arguments: str) -> tuple[int, ...]:
@@ -165,7 +212,7 @@ def call_ids(tokenizer: PreTrainedTokenizerBase, name: str, arguments: str) -> t
     renders that turn in history. TemplateError if the family has no format."""
     if tool_call_format(tokenizer) is None:
         raise TemplateError("this model's chat template has no tool-call format: tools cannot be served")
-    conversation = _conversation(name, arguments, _call_content(tokenizer))
+    conversation = call_conversation(name, arguments, _call_content(tokenizer))
     prompt = _probe_prompt(tokenizer)
     full = render_ids(tokenizer, conversation, add_generation_prompt=False)
     if full[: len(prompt)] != prompt:

@@ -29,12 +29,10 @@ class TemplateChat:
         self.tokenizer = tokenizer
         self.calls = tool_call_format(tokenizer)
         self.serves_tools = self.calls is not None
-        marker = self.calls.open_marker if self.calls else None
-        self.call_open = tokenizer.convert_tokens_to_ids(marker) if marker else None
 
-    def stream_hold(self, parse_calls: bool) -> int | None:
-        """The token a streamed reply's text is held back from (the family's call marker), if any."""
-        return self.call_open if parse_calls else None
+    def stream_hold(self, parse_calls: bool) -> str | None:
+        """The text a streamed reply is held back from (where the family's calls start), if any."""
+        return self.calls.call_start if parse_calls and self.calls else None
 
     def prompt_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
         return render_ids(self.tokenizer, messages, tools=tools)

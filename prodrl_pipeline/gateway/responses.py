@@ -44,6 +44,15 @@ def cut_at_stop(text: str, stops: Sequence[str] | None) -> str:
     return text[: min(cuts)] if cuts else text
 
 
+def held(text: str, holds: Sequence[str]) -> int:
+    """How many of the text's last characters may still begin one of `holds`: the longest end of
+    the text that is a proper beginning of one."""
+    return max(
+        (k for h in holds for k in range(min(len(h) - 1, len(text)), 0, -1) if text.endswith(h[:k])),
+        default=0,
+    )
+
+
 def logprobs_content(tokenizer: PreTrainedTokenizerBase, c: Completion, n: int) -> list[dict]:
     """Chat `logprobs.content`: each token's log-prob under mu and its top-n alternatives."""
     tok = tokenizer.convert_ids_to_tokens
@@ -133,12 +142,13 @@ async def chat_stream(
     end: Callable[[], Awaitable[Ending]],
     abandon: Callable[[], None],
     stops: Sequence[str] | None = None,
-    tool_open: int | None = None,
+    call_start: str | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events of a chat completion as its tokens arrive (`tokens`: (n, id) for the
     n-th completion token, then None; a repeated n is ignored; the tokens taken together make one
-    chunk). Content deltas follow the decoded text up to a stop string, holding back what may still
-    become one; from the `tool_open` token on, text waits for the end. `end()` gives the final
+    chunk). Content deltas follow the decoded text up to a stop string or `call_start` (the text a
+    tool call opens with), holding back an end that may still become one (`held`); from there on,
+    text waits for the end. `end()` gives the final
     message (and fills `head`'s token ids); what it adds to the streamed text, the tool calls, the
     finish reason and the usage follow, then [DONE]. A stream closed early (the client left) calls
     `abandon()`; an engine error ends the stream with an error event."""
@@ -153,7 +163,7 @@ async def chat_stream(
         choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason}] if delta is not None else []
         return f"data: {json.dumps({**body, 'choices': choices, **extra})}\n\n"
 
-    hold = max((len(s) for s in stops or ()), default=1) - 1
+    holds = [*(stops or ()), *([call_start] if call_start else [])]
     try:
         yield chunk({"role": "assistant", "content": ""}, prodrl=head)
         text, seen, shown, quiet, over = IncrementalText(tokenizer), 0, "", False, False
@@ -166,13 +176,11 @@ async def chat_stream(
                 if n <= seen:
                     continue
                 seen = n
-                quiet = quiet or token == tool_open  # a tool call is sent whole at the end
                 if not quiet and token != tokenizer.eos_token_id:
                     text.add(token)
-            cut = cut_at_stop(text.text, stops)  # text only grows: a stop string stays found
-            quiet = quiet or len(cut) < len(text.text)  # after a stop string nothing is shown
-            # the text but its last `hold` characters (none of it while it is shorter than that)
-            target = cut if quiet else text.text[: max(len(text.text) - hold, 0)]
+            cut = cut_at_stop(text.text, holds)  # text only grows: a stop string stays found
+            quiet = quiet or len(cut) < len(text.text)  # after a stop string or a call nothing is shown
+            target = cut if quiet else text.text[: len(text.text) - held(text.text, holds)]
             if target.startswith(shown) and len(target) > len(shown):
                 yield chunk({"content": target[len(shown) :]})
                 shown = target

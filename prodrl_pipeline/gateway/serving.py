@@ -348,7 +348,7 @@ class Serving:
             end,
             abandon,
             stops=req.stop,
-            tool_open=self.chat.stream_hold(parse_calls),
+            call_start=self.chat.stream_hold(parse_calls),
         )
 
 

@@ -1,7 +1,8 @@
 """A family's tool-call format read off its template: replies parsed so that, re-sent as history, they
 render as they were generated."""
 
-from prodrl_pipeline.chat.tool_calls import tool_call_format
+from prodrl_pipeline.chat.render import render_ids
+from prodrl_pipeline.chat.tool_calls import call_ids, tool_call_format
 from tests.families import family_tokenizer
 
 
@@ -35,3 +36,22 @@ def test_a_call_that_does_not_match_the_format_keeps_its_text_with_no_name():
         "name": "",
         "arguments": "<tool_call>\nnot json\n</tool_call>",
     }
+
+
+def test_a_llama3_call_is_bare_json_whose_nested_braces_stay_inside_it():
+    """Llama 3.2's format has no marker: `{"name": ..., "parameters": {...}}`. A call ends at the
+    closing brace after which it is whole JSON; text that does not match stays content."""
+    tok = family_tokenizer("llama3_2")
+    fmt = tool_call_format(tok)
+    assert fmt is not None and fmt.open_marker is None and fmt.call_start == '{"name": "'
+    the_call = '{"name": "get_weather", "parameters": {"city": "Oslo", "at": {"h": 9}}}'
+    generated = f'On it. {the_call} {{"name": "x"}}'
+    message = fmt.parse(generated)
+    assert message["content"] == 'On it.  {"name": "x"}'
+    (call,) = message["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", "at": {"h": 9}}'}
+    history = [{"role": "user", "content": "u"}, {**message, "content": None}]
+    forced = call_ids(tok, "get_weather", call["function"]["arguments"])
+    assert tok.decode(forced) == the_call + "<|eot_id|>"
+    assert fmt.parse(tok.decode(forced[:-1]))["tool_calls"][0]["function"] == call["function"]
+    assert render_ids(tok, history, add_generation_prompt=False)[-len(forced) :] == list(forced)

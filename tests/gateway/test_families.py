@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from prodrl_pipeline.chat.harmony import HarmonyChat
+from prodrl_pipeline.chat.render import reads_argument_objects
 from prodrl_pipeline.gateway.process import live_root
 from prodrl_pipeline.model import build_model, pad_id
 from prodrl_pipeline.records.store import DeltaStore
@@ -16,7 +17,7 @@ from tests.conftest import TINY
 from tests.families import TEMPLATED, WEATHER, family_dir, family_tokenizer
 from tests.gateway.conftest import SERVE_KEY, Gateway
 
-WITH_TOOLS = {"qwen3"}  # the families whose template renders tool definitions
+WITH_TOOLS = {"qwen3", "llama3_2"}  # the families whose template renders tool definitions
 THINKING = {"qwen3", "deepseek_v3"}
 
 
@@ -31,8 +32,22 @@ def family_gateway(request, tmp_path_factory):
 
 
 def _reference(tok, messages, tools=None) -> list[int]:
-    """`apply_chat_template`'s ids; a null content the template cannot take is given as "" (the
-    gateway's documented reading of it)."""
+    """`apply_chat_template`'s ids; a null content the template cannot take is given as "", and
+    call arguments to a template that renders them from objects are parsed (the gateway's
+    documented readings of both)."""
+    if reads_argument_objects(tok):
+        messages = [
+            {
+                **m,
+                "tool_calls": [
+                    {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                    for c in m["tool_calls"]
+                ],
+            }
+            if m.get("tool_calls")
+            else m
+            for m in messages
+        ]
     try:
         ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
     except Exception:  # noqa: BLE001 - Qwen3's template tests content as a string
@@ -99,6 +114,21 @@ def test_every_call_type_is_served_as_the_template_renders_it_or_refused_by_name
         )
         resent = _resent(user, forced)
         chat("tool history", resent, [WEATHER])
+        streamed = list(
+            client.chat.completions.create(
+                model="base",
+                messages=user,
+                tools=[WEATHER],
+                tool_choice="required",
+                max_tokens=64,
+                stream=True,
+            )
+        )
+        sent[streamed[0].model_extra["prodrl"]["call_id"]] = (user, [WEATHER])
+        deltas = [c.choices[0].delta for c in streamed if c.choices]
+        assert "".join(d.content or "" for d in deltas) == ""  # the call's text is never shown as content
+        (call,) = [tc for d in deltas for tc in d.tool_calls or []]
+        assert call.function.name == "get_weather" and streamed[-1].choices[0].finish_reason == "tool_calls"
     else:
         with pytest.raises(openai.BadRequestError, match="renders no tool definitions"):
             chat("tools", user, [WEATHER])

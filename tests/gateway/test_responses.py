@@ -3,7 +3,14 @@
 import asyncio
 import json
 
-from prodrl_pipeline.gateway.responses import Ending, IncrementalText, TokenFeed, chat_stream, cut_at_stop
+from prodrl_pipeline.gateway.responses import (
+    Ending,
+    IncrementalText,
+    TokenFeed,
+    chat_stream,
+    cut_at_stop,
+    held,
+)
 
 
 def _stream(tokenizer, ids: list[int], stops, whole: bool) -> tuple[str, dict, int]:
@@ -82,7 +89,9 @@ def _chars(tokenizer, text: str) -> list[int]:
     return ids
 
 
-async def _lockstep(tokenizer, ids: list[int], stops, content: str, tool_open=None) -> tuple[list[str], list]:
+async def _lockstep(
+    tokenizer, ids: list[int], stops, content: str, call_start=None
+) -> tuple[list[str], list]:
     """The text shown after each token of a stream fed one token at a time (each given the loop
     until the stream waits again), and the events after the last token."""
     tokens = TokenFeed(asyncio.get_running_loop())
@@ -90,7 +99,7 @@ async def _lockstep(tokenizer, ids: list[int], stops, content: str, tool_open=No
     async def end() -> Ending:
         return Ending({"role": "assistant", "content": content}, "stop", None, None)
 
-    stream = chat_stream(tokenizer, "m", "c", 0, {}, tokens, end, lambda: None, stops, tool_open)
+    stream = chat_stream(tokenizer, "m", "c", 0, {}, tokens, end, lambda: None, stops, call_start)
     assert json.loads((await anext(stream))[6:])["choices"][0]["delta"] == {
         "role": "assistant",
         "content": "",
@@ -115,31 +124,45 @@ async def _lockstep(tokenizer, ids: list[int], stops, content: str, tool_open=No
     return [after[n] for n in range(len(ids))], [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
 
 
-def test_a_stream_shows_all_but_the_last_len_stop_minus_one_characters_after_each_token(tokenizer):
-    """Text that may still become a stop string waits (L - 1 characters for the longest stop
-    string of L characters, nothing without stops); the rest follows with the final message."""
+def test_a_stream_holds_back_only_an_end_that_may_still_become_a_stop_string(tokenizer):
+    """After each token the text is shown but its longest end that is a proper beginning of a stop
+    string (nothing from a stop string on); the rest follows with the final message."""
     text = "abcdef"
-    for stops, hold in ((None, 0), (["xyz"], 2), (["q", "END"], 2), (["a"], 0)):
+    cases = {
+        None: ["a", "ab", "abc", "abcd", "abcde", "abcdef"],
+        ("xyz",): ["a", "ab", "abc", "abcd", "abcde", "abcdef"],  # no end of the text begins "xyz"
+        ("q", "cdq"): ["a", "ab", "ab", "ab", "abcde", "abcdef"],  # "c", then "cd", may still be "cdq"
+        ("cde",): ["a", "ab", "ab", "ab", "ab", "ab"],  # held, then cut at the stop string
+        ("efg", "bcx"): ["a", "a", "a", "abcd", "abcd", "abcd"],  # "b" and "bc", then "e" and "ef" held
+        ("a",): [""] * 6,  # the first character is a stop string: nothing is ever shown
+    }
+    for stops, expected in cases.items():
         content = cut_at_stop(text, stops)
         shown, rest = asyncio.run(_lockstep(tokenizer, _chars(tokenizer, text), stops, content))
-        if stops == ["a"]:  # the stop string is the first character: nothing is ever shown
-            assert shown == [""] * 6 and content == ""
-        else:
-            assert shown == [text[n - hold] if n >= hold else "" for n in range(6)], stops
+        assert ["".join(shown[: n + 1]) for n in range(6)] == expected, stops
         tail = [e["choices"][0]["delta"].get("content") for e in rest]
-        assert tail == ([text[6 - hold :], None] if hold else [None]), stops
+        assert "".join(shown) + "".join(t or "" for t in tail) == content, stops
 
 
-def test_text_after_the_tool_call_token_waits_for_the_final_message(tokenizer):
-    tool_open = tokenizer.convert_tokens_to_ids("<tool_call>")
-    ids = [*_chars(tokenizer, "ok."), tool_open, *_chars(tokenizer, "{x}")]
-    shown, _ = asyncio.run(_lockstep(tokenizer, ids, None, "ok.", tool_open))
+def test_held_is_the_longest_end_that_begins_a_held_string():
+    assert held("abc", ["cde"]) == 1 and held("abcd", ["cde"]) == 2 and held("abcd", ["cdx", "d"]) == 2
+    assert held("abc", ["abc"]) == 0  # a whole one is cut, not held
+    assert held("ab", ["xabcdef"]) == 0 and held("", ["ab"]) == 0 and held("ab", []) == 0
+
+
+def test_text_from_where_a_call_starts_waits_for_the_final_message(tokenizer):
+    marker = tokenizer.convert_tokens_to_ids("<tool_call>")
+    ids = [*_chars(tokenizer, "ok."), marker, *_chars(tokenizer, "{x}")]
+    shown, _ = asyncio.run(_lockstep(tokenizer, ids, None, "ok.", "<tool_call>"))
     assert shown == ["o", "k", ".", "", "", "", ""]
-    shown, _ = asyncio.run(_lockstep(tokenizer, ids, None, "ok.", tool_open=None))
-    assert "".join(shown) == tokenizer.decode(ids)  # without a tool-call token it is text like any other
+    shown, _ = asyncio.run(_lockstep(tokenizer, ids, None, "ok.", call_start=None))
+    assert "".join(shown) == tokenizer.decode(ids)  # without a call start it is text like any other
+    plain = _chars(tokenizer, 'ok{"n":1}')  # a family whose calls are bare JSON (Llama 3's)
+    shown, _ = asyncio.run(_lockstep(tokenizer, plain, None, "ok", '{"n'))
+    assert ["".join(shown[: n + 1]) for n in range(len(plain))][1:] == ["ok"] * (len(plain) - 1)
 
 
-def _events_of(tokenizer, end, ids=(), tool_open=None) -> list[str]:
+def _events_of(tokenizer, end, ids=()) -> list[str]:
     async def run() -> list[str]:
         tokens = TokenFeed(asyncio.get_running_loop())
         for n, t in enumerate(ids, 1):
