@@ -16,6 +16,7 @@ import sys
 import torch
 
 from bench.ratios import Ratio, report
+from prodrl_pipeline.records import support
 from prodrl_pipeline.rl.recorded import RecordedCalls
 
 
@@ -45,8 +46,7 @@ def _run(variant: str, tokens: int, vocab: int, hidden: int, chunk: int) -> None
             "completion_logprobs": [-1.0] * length,
             "topk_token_ids": [[1] * 20] * length,
             "topk_logprobs": [[-1.0] * 20] * length,
-            "support_size": [vocab] * length,
-            "support_token_ids": [[]] * length,
+            **support.columns([support.unrestricted(vocab)] * length),
             "vocab_size": vocab,
             "sampling": {"temperature": 1.0},
         }

@@ -29,6 +29,7 @@ from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.model import TinyQwen3Config, build_model
+from prodrl_pipeline.records import support
 from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import TrainerConfig, make_optimizer, train_round
 
@@ -57,8 +58,7 @@ def _synthetic_calls(n: int, length: int, k: int, vocab: int, seed: int) -> list
             "completion_logprobs": [-8.0] * length,
             "topk_token_ids": [rng.sample(range(1, vocab), k) for _ in range(length)],
             "topk_logprobs": [[-8.0] * k for _ in range(length)],
-            "support_size": [vocab] * length,
-            "support_token_ids": [[] for _ in range(length)],
+            **support.columns([support.unrestricted(vocab)] * length),
             "extra_token_ids": [[] for _ in range(length)],
             "vocab_size": vocab,
             "sampling": {"temperature": 1.0, "logit_bias": []},

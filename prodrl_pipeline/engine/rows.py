@@ -3,9 +3,10 @@
 while its batch runs (`Rows`): the constraint's state, the recording, when the row is done.
 
 `Rows.record_sampled` records a sampled position: the id, its log-prob under the processed
-distribution mu, the top-K head of mu, the kept support when sampling was restricted (`support_size`
-kept; the ids themselves when more than the head holds and fewer than the vocabulary) and the M
-extra samples. A forced token is recorded as what it is: log-prob 0 under a one-token support.
+distribution mu, the top-K head of mu, the kept support (records/support.py: its size and, when
+the head does not hold it and it is not the vocabulary, its ids, its complement's or a bitmask,
+whichever is smallest) and the M extra samples. A forced token is recorded as what it is: log-prob
+0 under a one-token support.
 
 A position's head, support and extra samples are 1-D numpy arrays (ids int64, log-probs as mu's
 dtype, float32 on the lab engine): a step's [N, K] head becomes N row views in one call, where
@@ -27,6 +28,8 @@ import torch
 from prodrl_pipeline.engine.constraints import Constraint
 from prodrl_pipeline.engine.head import recorded_head
 from prodrl_pipeline.engine.processing import SamplingParams
+from prodrl_pipeline.records import support
+from prodrl_pipeline.records.support import Support
 
 
 @dataclass
@@ -43,9 +46,8 @@ class Request:
     "stop"): harmony's <|call|> for gpt-oss (vLLM's stop_token_ids)."""
 
 
-NO_IDS = np.empty(0, dtype=np.int64)
-NO_IDS.flags.writeable = False
-"""The ids of a position that records none (no support listed, no extra samples): one shared array."""
+NO_IDS = support.NO_IDS
+"""The ids of a position that records none (no extra samples): one shared array."""
 
 
 def ids_array(ids: list[int]) -> np.ndarray:
@@ -56,15 +58,14 @@ def ids_array(ids: list[int]) -> np.ndarray:
 @dataclass
 class Completion:
     """What the engine recorded for a request: per position, the sampled id and its log-prob (lists:
-    streaming and constraints read them as they grow) and the head, kept support and extra samples
-    (1-D numpy arrays, the module docstring)."""
+    streaming and constraints read them as they grow), the head and extra samples (1-D numpy
+    arrays, the module docstring) and the kept support's record."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     topk_ids: list[np.ndarray] = field(default_factory=list)
     topk_logprobs: list[np.ndarray] = field(default_factory=list)
-    support_size: list[int] = field(default_factory=list)
-    support_ids: list[np.ndarray] = field(default_factory=list)
+    supports: list[Support] = field(default_factory=list)
     extra_ids: list[np.ndarray] = field(default_factory=list)
     finish_reason: str = "length"
 
@@ -138,18 +139,17 @@ class Rows:
         heads, head_lps = list(head.ids), list(head.values)
         extras = list(extra.cpu().numpy()) if self.extra_samples else [NO_IDS] * len(toks)
         if not head.restricted:  # nothing removed anywhere: every support is the vocabulary
+            whole = support.unrestricted(self.vocab_size)
             for i, tok in enumerate(toks):
                 if not self.done[i]:
-                    self.append(i, tok, lps[i], heads[i], head_lps[i], self.vocab_size, NO_IDS, extras[i])
+                    self.append(i, tok, lps[i], heads[i], head_lps[i], whole, extras[i])
             return toks
-        kept_mask = logp > float("-inf")  # the kept supports (a broken row's NaNs are never recorded)
-        for i, size in enumerate(kept_mask.sum(-1).tolist()):
-            if self.done[i]:
-                continue
-            n_head = min(k, size)  # the head's -inf entries cut
-            listed = n_head < size < self.vocab_size
-            support = kept_mask[i].nonzero().squeeze(1).cpu().numpy() if listed else NO_IDS
-            self.append(i, toks[i], lps[i], heads[i][:n_head], head_lps[i][:n_head], size, support, extras[i])
+        # the kept supports (a broken row's NaNs are never recorded)
+        kept = (logp > float("-inf")).cpu().numpy()
+        live = [i for i in range(len(toks)) if not self.done[i]]
+        n_heads = np.minimum(k, kept[live].sum(-1)).tolist()  # the head's -inf entries cut
+        for i, n_head, kept_i in zip(live, n_heads, support.encode_rows(kept[live], n_heads), strict=True):
+            self.append(i, toks[i], lps[i], heads[i][:n_head], head_lps[i][:n_head], kept_i, extras[i])
         return toks
 
     def force_common(self) -> list[list[int]]:
@@ -184,8 +184,7 @@ class Rows:
         logprob: float,
         head_ids: np.ndarray,
         head_lp: np.ndarray,
-        support_size: int,
-        support_ids: np.ndarray,
+        kept: Support,
         extra_ids: np.ndarray,
     ) -> None:
         c = self.out[i]
@@ -193,8 +192,7 @@ class Rows:
         c.logprobs.append(logprob)
         c.topk_ids.append(head_ids)
         c.topk_logprobs.append(head_lp)
-        c.support_size.append(support_size)
-        c.support_ids.append(support_ids)
+        c.supports.append(kept)
         c.extra_ids.append(extra_ids)
         state = self.states[i]
         if state is not None:
@@ -229,12 +227,10 @@ class Rows:
             return True
 
 
-def _forced_record(
-    tok: int, extra_samples: int
-) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
-    """A forced token's head, head log-prob, support size, support and extra samples: itself alone."""
+def _forced_record(tok: int, extra_samples: int) -> tuple[np.ndarray, np.ndarray, Support, np.ndarray]:
+    """A forced token's head, head log-prob, support and extra samples: itself alone."""
     extra = _alone(tok) if extra_samples == 1 else ids_array([tok] * extra_samples)
-    return _alone(tok), _CERTAIN, 1, NO_IDS, extra
+    return _alone(tok), _CERTAIN, _ONE, extra
 
 
 @functools.cache  # one array an id the constraints force (most of a tool call's tokens)
@@ -244,6 +240,8 @@ def _alone(tok: int) -> np.ndarray:
     return ids
 
 
+_ONE = Support(1, support.Form.HEAD)
+"""A forced token's support: the one-id head."""
 _CERTAIN = np.zeros(1, dtype=np.float32)
 _CERTAIN.flags.writeable = False
 """A forced token's head log-prob: 0."""

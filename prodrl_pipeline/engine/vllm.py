@@ -39,6 +39,7 @@ import numpy as np
 
 from prodrl_pipeline.engine.constraints import Constraint
 from prodrl_pipeline.engine.rows import Completion, Request, ids_array
+from prodrl_pipeline.records import support
 
 FILTERED = -9999.0  # vLLM's serialization of -inf
 
@@ -187,22 +188,19 @@ class VLLMEngine:
                 _check_mask(allowed, entries, finite, k, whole=not sampling_restricted)
                 state.advance(tok)  # ValueError: vLLM produced ids the constraint does not allow
             if greedy:
-                head, logprob, support = [(0.0, tok)], 0.0, [tok]
+                head, logprob, kept = [(0.0, tok)], 0.0, [tok]
             else:
                 head, logprob = finite[:k], choice["logprobs"]["token_logprobs"][t]
                 if allowed is not None and not sampling_restricted:
-                    support = allowed  # T > 0 over the allowed ids alone
+                    kept = allowed  # T > 0 over the allowed ids alone
                 elif sampling_restricted or allowed is not None:
-                    support = [i for _, i in finite]  # top-k <= K + 1: all of it is listed
+                    kept = [i for _, i in finite]  # top-k <= K + 1: all of it is listed
                 else:
-                    support = None  # the whole vocabulary
-            size = self.vocab_size if support is None else len(support)
+                    kept = None  # the whole vocabulary
             out.token_ids.append(tok)
             out.logprobs.append(logprob)
             out.topk_ids.append(ids_array([i for _, i in head]))
             out.topk_logprobs.append(np.array([lp for lp, _ in head], dtype=np.float32))
-            out.support_size.append(size)
-            listed = bool(support) and len(head) < size < self.vocab_size
-            out.support_ids.append(ids_array(list(support) if listed else []))
+            out.supports.append(support.from_ids(kept, len(head), self.vocab_size))
             out.extra_ids.append(ids_array([]))
         return out

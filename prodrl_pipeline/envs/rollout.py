@@ -24,6 +24,7 @@ from prodrl_pipeline.envs.chat import parse_assistant_text
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
+from prodrl_pipeline.records import support
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,7 @@ def play(
                         "completion_logprobs": out.logprobs,
                         "topk_token_ids": out.topk_ids,
                         "topk_logprobs": out.topk_logprobs,
-                        "support_size": out.support_size,
-                        "support_token_ids": out.support_ids,
+                        **support.columns(out.supports),
                         "extra_token_ids": out.extra_ids,
                         "vocab_size": engine.vocab_size,
                         "sampling": params.recorded(batch_seed),

@@ -22,21 +22,16 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 
 import pyarrow as pa
 
-from prodrl_pipeline.records.schema import TABLES, json_value
+from prodrl_pipeline.records.schema import TABLES, from_json, json_value
 from prodrl_pipeline.records.store import DeltaStore
 
 log = logging.getLogger(__name__)
 TABLE_OF = {"call": "landing_calls", "feedback": "landing_feedback", "reject": "rejects"}
 HELD_SEGMENTS = 4  # segments whose rows stay in memory for their commit (a backlog is read back)
-
-
-def _timestamps(table: str) -> list[str]:
-    return [f.name for f in TABLES[table] if pa.types.is_timestamp(f.type)]
 
 
 class LandingLog:
@@ -211,12 +206,8 @@ class LandingLog:
                     entry = json.loads(line)
                 except json.JSONDecodeError:  # a torn last line: its request was never answered
                     continue
-                by_table[TABLE_OF[entry["kind"]]].append(entry["record"])
-        for table, rows in by_table.items():
-            for field in _timestamps(table):
-                for row in rows:
-                    if isinstance(row.get(field), str):
-                        row[field] = datetime.fromisoformat(row[field])
+                table = TABLE_OF[entry["kind"]]
+                by_table[table].append(from_json(table, entry["record"]))
         return {table: pa.Table.from_pylist(rows, schema=TABLES[table]) for table, rows in by_table.items()}
 
     def _commit(self, seq: int, path: Path, check: bool = False) -> int:

@@ -30,6 +30,7 @@ from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.protocol import ChatRequest, ParamError, SamplingFields
 from prodrl_pipeline.gateway.responses import Ending, TokenFeed, chat_stream, stop_at, usage
 from prodrl_pipeline.gateway.sessions import EXPIRED_TABLE, SessionIndex
+from prodrl_pipeline.records import support
 
 TRAJECTORY_HEADER, CALL_HEADER = "X-Prodrl-Trajectory-Id", "X-Prodrl-Call-Id"
 HEADER_ID_BYTES = 2048  # a longer escaped id is left out of the response header (proxies' header buffers)
@@ -235,8 +236,7 @@ class Serving:
                 "completion_logprobs": c.logprobs,
                 "topk_token_ids": c.topk_ids,
                 "topk_logprobs": c.topk_logprobs,
-                "support_size": c.support_size,
-                "support_token_ids": c.support_ids,
+                **support.columns(c.supports),
                 "extra_token_ids": c.extra_ids,
                 "vocab_size": dep.engine.engine.vocab_size,
                 "sampling": params.recorded(seed),

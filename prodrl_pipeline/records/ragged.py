@@ -57,10 +57,12 @@ def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _large(kind: pa.DataType) -> pa.DataType:
-    """`kind` with every list's offsets 64-bit (a column of several chunks may hold more than
-    2^31 values in all, more than 32-bit offsets can address once combined)."""
+    """`kind` with every list's and binary's offsets 64-bit (a column of several chunks may hold
+    more than 2^31 values or bytes in all, more than 32-bit offsets can address once combined)."""
     if pa.types.is_list(kind) or pa.types.is_large_list(kind):
         return pa.large_list(_large(kind.value_type))
+    if pa.types.is_binary(kind):
+        return pa.large_binary()
     if pa.types.is_struct(kind):
         fields = [kind.field(i) for i in range(kind.num_fields)]
         return pa.struct([f.with_type(_large(f.type)) for f in fields])

@@ -3,6 +3,7 @@ round-trip bit-exactly through Delta. Per-round tables are partitioned by `round
 
 from __future__ import annotations
 
+import base64
 from datetime import datetime
 
 import numpy as np
@@ -38,10 +39,14 @@ CALLS = pa.schema(
         # the top-K head of mu per position, sorted by log-prob (forced tokens: one entry, 0.0)
         ("topk_token_ids", pa.list_(IDS)),
         ("topk_logprobs", pa.list_(LOGPROBS)),
-        # kept support per position: its size (vocab size when unrestricted) and, when it is
-        # larger than the head and smaller than the vocabulary, its ids (else an empty list)
+        # kept support per position (records/support.py): its size (vocab size when unrestricted),
+        # its form (a small enum) and that form's payload, ids (kept, or not kept) or a bitmask over
+        # the vocabulary; a null form: a call recorded before forms, its ids listed only when
+        # larger than the head and smaller than the vocabulary
         ("support_size", IDS),
+        ("support_form", pa.list_(pa.int8())),
         ("support_token_ids", pa.list_(IDS)),
+        ("support_mask", pa.list_(pa.binary())),
         # M extra tokens per position sampled from the same mu (score centering's samples form)
         ("extra_token_ids", pa.list_(IDS)),
         ("vocab_size", pa.int32()),
@@ -193,10 +198,26 @@ TABLES: dict[str, pa.Schema] = {
 
 def json_value(value: object) -> object:
     """A record's value that JSON has no type for, as JSON writes it (`json.dumps(default=...)`):
-    an array (the engine's per-position ids and log-probs, engine/rows.py) as a list, a timestamp in
-    ISO 8601; TypeError for anything else."""
+    an array (the engine's per-position ids and log-probs, engine/rows.py) as a list, bytes (a
+    support's bitmask) in base64 (`from_json` reads them back), a timestamp in ISO 8601; TypeError
+    for anything else."""
     if isinstance(value, np.ndarray):
         return value.tolist()
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
     if isinstance(value, datetime):
         return value.isoformat()
     raise TypeError(f"cannot serialize {type(value).__name__}")
+
+
+def from_json(table: str, row: dict) -> dict:
+    """A row of `table` as `json_value` wrote it, with its JSON-less values restored: timestamps
+    and bytes (in lists of bytes too)."""
+    out = dict(row)
+    for field in TABLES[table]:
+        value = out.get(field.name)
+        if pa.types.is_timestamp(field.type) and isinstance(value, str):
+            out[field.name] = datetime.fromisoformat(value)
+        elif pa.types.is_list(field.type) and pa.types.is_binary(field.type.value_type) and value:
+            out[field.name] = [base64.b64decode(v) if isinstance(v, str) else v for v in value]
+    return out

@@ -13,7 +13,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prodrl_pipeline.records import support
 from prodrl_pipeline.records.ragged import Ragged, combined, nulls_within, offsets, ranges
+from prodrl_pipeline.records.support import SupportColumns
 from prodrl_pipeline.records.validate import HEAD_MASS_TOLERANCE
 
 PER_POSITION = {  # the columns with one entry per completion position, and their list depth
@@ -23,6 +25,7 @@ PER_POSITION = {  # the columns with one entry per completion position, and thei
     "topk_logprobs": 2,
     "support_token_ids": 2,
 }
+NEWER = ("support_form", "support_mask")  # per position, null for a whole call recorded before them
 MARGIN = 1e-6  # the head's log-mass is flagged this much below call_problem's bound (its sum may
 # round differently here); every other comparison is on the stored value itself, as call_problem's
 
@@ -68,6 +71,10 @@ def _call_problems(table: pa.Table) -> np.ndarray:
         bad |= nulls_within(lists, depth) | (_lengths(lists) != per_call)
     extra = _column(table, "extra_token_ids")
     bad |= nulls_within(extra, 2, outer=False) | ((_lengths(extra) != 0) & (_lengths(extra) != per_call))
+    for name in NEWER:
+        lists = _column(table, name)
+        given = ~_numpy(pc.is_null(lists))
+        bad |= nulls_within(lists, 1, outer=False) | (given & (_lengths(lists) != per_call))
     bad |= (per_call == 0) | (_lengths(_column(table, "prompt_token_ids")) == 0)
     for name in ("prompt_token_ids", "completion_token_ids"):
         ids = Ragged.of(_column(table, name), np.float64)
@@ -102,31 +109,26 @@ def _position_problems(table: pa.Table) -> np.ndarray:
     vocab = _numpy(_column(table, "vocab_size")).astype(np.int64)[owner]
     token = _numpy(pc.list_flatten(_column(table, "completion_token_ids"))).astype(np.int64)
     lp = _numpy(pc.list_flatten(_column(table, "completion_logprobs"))).astype(np.float64)
-    size = _numpy(pc.list_flatten(_column(table, "support_size"))).astype(np.int64)
 
     def per_position(name: str, dtype: type) -> Ragged:
         return Ragged.of(pc.list_flatten(_column(table, name)), dtype)
 
-    head, head_lp, support = (
-        per_position("topk_token_ids", np.int64),
-        per_position("topk_logprobs", np.float64),
-        per_position("support_token_ids", np.int64),
-    )
+    head, head_lp = per_position("topk_token_ids", np.int64), per_position("topk_logprobs", np.float64)
+    kept = SupportColumns.of({name: _column(table, name) for name in support.COLUMNS}, head, vocab)
     extra = _extras(_column(table, "extra_token_ids"), per_call)
-    k = head.lengths
+    k, size = head.lengths, kept.size
     with np.errstate(invalid="ignore", over="ignore"):
         bad = ~np.isfinite(lp) | (lp > 0)
         bad |= (k == 0) | (k != head_lp.lengths) | (size < k) | (size > vocab)
-        bad |= (k < size) & (size < vocab) & (support.lengths != size)
-        for ids in (head, support, extra):
+        bad |= kept.problems(head, vocab)
+        for ids in (head, extra):
             at = np.repeat(np.arange(len(k)), ids.lengths)
             bad |= _any_per(at, (ids.values < 0) | (ids.values >= vocab[at]), len(k))
-            if ids is not extra:
-                bad |= _repeated(ids, vocab)
+        bad |= _repeated(head, vocab)
         at = np.repeat(np.arange(len(k)), head_lp.lengths)
         bad |= _any_per(at, ~np.isfinite(head_lp.values) | (head_lp.values > HEAD_MASS_TOLERANCE), len(k))
         bad |= _head_mass(head_lp) > HEAD_MASS_TOLERANCE - MARGIN
-    bad |= _outside_support(token, size, vocab, head, support, extra)
+    bad |= _outside_support(token, kept, head, extra, vocab)
     calls_bad = _any_per(owner, bad, n)
     # the extra samples: one count for every position of a call
     widths = extra.lengths
@@ -177,23 +179,13 @@ def _head_mass(head_lp: Ragged) -> np.ndarray:
 
 
 def _outside_support(
-    token: np.ndarray, size: np.ndarray, vocab: np.ndarray, head: Ragged, support: Ragged, extra: Ragged
+    token: np.ndarray, kept: SupportColumns, head: Ragged, extra: Ragged, vocab: np.ndarray
 ) -> np.ndarray:
-    """[positions] restricted positions whose sampled id, extra samples or head ids are not all in
-    the kept support (the head when it holds the support, else the support ids)."""
+    """[positions] positions whose sampled id, extra samples or head ids are not all in the kept
+    support."""
     n = len(token)
-    restricted = size < vocab
-    in_head = size <= head.lengths
-
-    def keys(ids: Ragged, where: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        key, at = _keyed(ids, vocab)
-        return key[where[at]], at[where[at]]
-
-    kept = np.concatenate([keys(head, restricted & in_head)[0], keys(support, restricted & ~in_head)[0]])
-    one = Ragged(token, np.arange(n + 1))
-    asked = [(one, restricted), (extra, restricted), (head, restricted & ~in_head)]
     out = np.zeros(n, dtype=bool)
-    for ids, where in asked:
-        query, at = keys(ids, where)
-        out[at[~np.isin(query, kept)]] = True
+    for ids in (Ragged(token, np.arange(n + 1)), extra, head):
+        at = np.repeat(np.arange(n), ids.lengths)
+        out |= _any_per(at, ~kept.contains(at, ids.values, head, vocab), n)
     return out

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 
+from prodrl_pipeline.records import support
 from prodrl_pipeline.records.schema import json_value
 
 HEAD_MASS_TOLERANCE = 1e-4  # log-space slack for float32 rounding of recorded head probabilities
@@ -52,6 +53,10 @@ def _lists_of(check, xs: object) -> bool:
     return isinstance(xs, list | tuple) and all(x is not None and check(x) for x in xs)
 
 
+def _byte_strings(xs: object) -> bool:
+    return isinstance(xs, list | tuple) and all(isinstance(x, bytes) for x in xs)
+
+
 def _bias_entries(xs: object) -> bool:
     return isinstance(xs, list | tuple) and all(
         isinstance(e, dict) and _ints([e.get("token_id")]) and _numbers([e.get("bias")]) for e in xs
@@ -66,9 +71,11 @@ def _given(call: dict, name: str) -> object:
 
 def _shape_problem(call: dict) -> str | None:
     """The first column whose type is not the contract's (records from outside are hostile)."""
-    for name in ("prompt_token_ids", "completion_token_ids", "support_size"):
+    for name in ("prompt_token_ids", "completion_token_ids", "support_size", "support_form"):
         if not _ints(_given(call, name)):
             return f"{name} is not a list of integers"
+    if not _byte_strings(_given(call, "support_mask")):
+        return "support_mask is not a list of byte strings"
     for name in ("topk_token_ids", "support_token_ids", "extra_token_ids"):
         if not _lists_of(_id_row, _given(call, name)):
             return f"{name} is not a list of lists of integers"
@@ -97,7 +104,8 @@ def call_problem(call: dict) -> str | None:
     if not prompt or not completion:
         return "empty prompt or completion"
     columns = ("completion_logprobs", "topk_token_ids", "topk_logprobs", "support_size", "support_token_ids")
-    lengths = {name: len(call.get(name) or []) for name in columns}
+    given = [name for name in ("support_form", "support_mask") if call.get(name) is not None]  # newer
+    lengths = {name: len(call.get(name) or []) for name in (*columns, *given)}
     if any(n != len(completion) for n in lengths.values()):
         return f"per-position columns disagree with {len(completion)} completion ids: {lengths}"
     if any(not 0 <= t < vocab for t in prompt + completion):
@@ -117,32 +125,30 @@ def call_problem(call: dict) -> str | None:
         return f"extra samples recorded for {len(extra)} of {len(completion)} positions"
     if extra and len({len(e) for e in extra}) != 1:
         return "positions recorded different numbers of extra samples"
-    for t, tok in enumerate(completion):
+    for t, (tok, kept) in enumerate(zip(completion, support.of_call(call), strict=True)):
         lp = call["completion_logprobs"][t]
         head, head_lp = call["topk_token_ids"][t], call["topk_logprobs"][t]
-        size, support = call["support_size"][t], call["support_token_ids"][t]
+        size = kept.size
         if lp is None or not math.isfinite(lp) or lp > 0:
             return f"position {t}: log-prob {lp} is not finite and <= 0"
         if len(head) == 0 or len(head) != len(head_lp):
             return f"position {t}: empty head or head ids/log-probs of different lengths"
         if not len(head) <= size <= vocab:
             return f"position {t}: support size {size} outside [{len(head)}, {vocab}]"
-        if len(head) < size < vocab and len(support) != size:
-            return f"position {t}: restricted support of {size} tokens is not recorded"
-        ids = [*head, *support, *(extra[t] if extra else [])]
-        if any(not 0 <= v < vocab for v in ids):
-            return f"position {t}: a head, support or extra id is outside [0, {vocab})"
-        if len(set(head)) != len(head) or len(set(support)) != len(support):
-            return f"position {t}: repeated ids in the head or the support"
+        if problem := support.problem(kept, head, vocab):
+            return f"position {t}: {problem}"
+        sampled = [tok, *(extra[t] if extra else [])]
+        if any(not 0 <= v < vocab for v in [*head, *sampled]):
+            return f"position {t}: a head or extra id is outside [0, {vocab})"
+        if len(set(head)) != len(head):
+            return f"position {t}: repeated ids in the head"
         if any(x is None or not math.isfinite(x) or x > HEAD_MASS_TOLERANCE for x in head_lp):
             return f"position {t}: a head log-prob is not finite and <= 0"
         if _logsumexp(head_lp) > HEAD_MASS_TOLERANCE:
             return f"position {t}: the head's probabilities sum to more than 1"
-        # the trainer's support (rl/logprobs.py _supports): the head when it holds the support
-        kept = None if size >= vocab else set(head) if size <= len(head) else set(support)
-        if kept is not None and any(v not in kept for v in [tok, *(extra[t] if extra else [])]):
+        if not support.contains(kept, sampled, head, vocab).all():
             return f"position {t}: a sampled id is outside the recorded support"
-        if kept is not None and any(v not in kept for v in head):
+        if not support.contains(kept, head, head, vocab).all():
             return f"position {t}: a head id is outside the recorded support"
     return None
 

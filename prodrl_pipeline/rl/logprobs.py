@@ -22,6 +22,7 @@ pi_k pass needs none of them, and each estimator reads its own (`EstimatorConfig
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -44,7 +45,7 @@ class Sequences:
     token_pos: torch.Tensor  # [Ntok] position whose logits predict it (its index - 1)
     token_ids: torch.Tensor  # [Ntok] the sampled ids
     temperature: torch.Tensor  # [Ntok]
-    support: list[list[int] | None]  # per token: kept ids, None = whole vocabulary
+    support: list[Sequence[int] | np.ndarray | None]  # per token: kept ids, None = whole vocabulary
     deployment_logprobs: torch.Tensor  # [Ntok] log mu(a|h) as recorded
     head_ids: torch.Tensor  # [Ntok, K] recorded head of mu, padded with 0
     head_mask: torch.Tensor  # [Ntok, K] True where the head has an entry
@@ -98,16 +99,10 @@ def build_sequences(calls: RecordedCalls, pad_id: int) -> Sequences:
     )
 
 
-def _supports(calls: RecordedCalls, rows: np.ndarray) -> list[list[int] | None]:
-    """Each position's kept support (docs/tables.md), None if unrestricted: the recorded head when
-    the support fits in it, else the recorded support ids."""
-    size = calls.support_size
-    in_head = size <= calls.head_ids.lengths
-    out: list[list[int] | None] = [None] * len(size)
-    for t in np.flatnonzero(size < calls.vocab_size[rows]):
-        ragged = calls.head_ids if in_head[t] else calls.support_ids
-        out[t] = ragged.values[ragged.offsets[t] : ragged.offsets[t + 1]].tolist()
-    return out
+def _supports(calls: RecordedCalls, rows: np.ndarray) -> list[np.ndarray | None]:
+    """Each position's kept ids (records/support.py), None if unrestricted."""
+    vocab = calls.vocab_size[rows]
+    return [calls.support.kept_ids(t, calls.head_ids, int(vocab[t])) for t in range(len(rows))]
 
 
 @dataclass
@@ -326,7 +321,7 @@ def _tail(kept: torch.Tensor, head_ids: torch.Tensor, head_mask: torch.Tensor) -
 
 
 def _outside_support(
-    support: list[list[int] | None], vocab: int, device: torch.device
+    support: list[Sequence[int] | np.ndarray | None], vocab: int, device: torch.device
 ) -> torch.Tensor | None:
     """[c, V] True outside each token's kept support, None when every support is the vocabulary."""
     if all(s is None for s in support):
@@ -334,6 +329,7 @@ def _outside_support(
     restricted = [i for i, s in enumerate(support) if s is not None]
     drop = torch.zeros((len(support), vocab), dtype=torch.bool)
     drop[restricted] = True
-    rows = torch.tensor([i for i in restricted for _ in support[i]], dtype=torch.long)
-    drop[rows, torch.tensor([t for i in restricted for t in support[i]], dtype=torch.long)] = False
+    rows = np.repeat(restricted, [len(support[i]) for i in restricted])
+    ids = np.concatenate([np.asarray(support[i], dtype=np.int64) for i in restricted])
+    drop[torch.from_numpy(rows), torch.from_numpy(ids)] = False
     return drop.to(device)

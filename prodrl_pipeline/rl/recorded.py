@@ -14,16 +14,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prodrl_pipeline.records import support
 from prodrl_pipeline.records.ragged import Ragged, combined, nulls_within, offsets, ranges
 from prodrl_pipeline.records.schema import CALLS
+from prodrl_pipeline.records.support import SupportColumns
 
 
 @dataclass(frozen=True)
 class RecordedCalls:
     """Per call: its ids, vocabulary, temperature and logit bias; per call, ragged: prompt and
     completion ids; per completion position (aligned with `completion.values`): log mu of the
-    sampled id, the support's size and, ragged, the top-K head (ids and log mu), the kept support's
-    ids and the extra samples. Built by `from_arrow`, which refuses a call whose per-position
+    sampled id, the kept support's record (records/support.py) and, ragged, the top-K head (ids and
+    log mu) and the extra samples. Built by `from_arrow`, which refuses a call whose per-position
     columns disagree in length (flattened, they would pair one position's head with another's
     token); calls pass records.validate before they are stored."""
 
@@ -36,26 +38,29 @@ class RecordedCalls:
     prompt: Ragged
     completion: Ragged
     completion_logprobs: np.ndarray
-    support_size: np.ndarray
+    support: SupportColumns
     head_ids: Ragged
     head_logprobs: Ragged
-    support_ids: Ragged
     extra_ids: Ragged
 
     @classmethod
     def from_arrow(cls, table: pa.Table) -> RecordedCalls:
         """From rows of the `calls` table (any further columns are ignored)."""
-        col = {name: combined(table.column(name)) for name in _READ}
+        col = {name: combined(table.column(name)) for name in _READ if name in table.column_names}
         n = len(table)
         sampling = col["sampling"]
         temperature = pc.struct_field(sampling, "temperature")
         for name, values in [*((name, col[name]) for name in _REQUIRED), ("temperature", temperature)]:
             _refuse(table, _null(values), f"it has no {name}")
         for name, depth in _LISTS.items():  # a null inside a list would become a number below
-            nulls = nulls_within(col[name], depth, outer=name != "extra_token_ids")
-            _refuse(table, nulls, f"it has a null in {name}")
+            if name in col:
+                nulls = nulls_within(col[name], depth, outer=name not in _WHOLLY_NULLABLE)
+                _refuse(table, nulls, f"it has a null in {name}")
         completion = Ragged.of(col["completion_token_ids"], np.int64)
         per_call = completion.lengths
+        for name in ("support_form", "support_mask"):
+            if name in col:
+                _refuse(table, ~_null(col[name]) & (_lengths(col[name]) != per_call))
 
         def per_position(name: str, dtype: type, optional: bool = False) -> Ragged:
             """A column with one list per completion position, as one list per position; an
@@ -76,6 +81,7 @@ class RecordedCalls:
             lists = Ragged.of(col[name], dtype)
             _refuse(table, lists.lengths != per_call)
             flat[name] = lists.values
+        _refuse(table, _lengths(col["support_token_ids"]) != per_call)
         head_ids = per_position("topk_token_ids", np.int64)
         head_logprobs = per_position("topk_logprobs", np.float32)
         uneven = head_ids.lengths != head_logprobs.lengths  # per position: to its call
@@ -104,10 +110,13 @@ class RecordedCalls:
             prompt=Ragged.of(col["prompt_token_ids"], np.int64),
             completion=completion,
             completion_logprobs=flat["completion_logprobs"],
-            support_size=flat["support_size"],
+            support=SupportColumns.of(
+                {name: col[name] for name in support.COLUMNS if name in col},
+                head_ids,
+                np.repeat(col["vocab_size"].to_numpy(zero_copy_only=False).astype(np.int64), per_call),
+            ),
             head_ids=head_ids,
             head_logprobs=head_logprobs,
-            support_ids=per_position("support_token_ids", np.int64),
             extra_ids=per_position("extra_token_ids", np.int64, optional=True),
         )
 
@@ -138,10 +147,9 @@ class RecordedCalls:
             prompt=self.prompt.take(rows),
             completion=self.completion.take(rows),
             completion_logprobs=self.completion_logprobs[positions],
-            support_size=self.support_size[positions],
+            support=self.support.take(positions),
             head_ids=self.head_ids.take(positions),
             head_logprobs=self.head_logprobs.take(positions),
-            support_ids=self.support_ids.take(positions),
             extra_ids=self.extra_ids.take(positions),
         )
 
@@ -156,9 +164,11 @@ _READ = (
     "completion_token_ids",
     "completion_logprobs",
     "support_size",
+    "support_form",
     "topk_token_ids",
     "topk_logprobs",
     "support_token_ids",
+    "support_mask",
     "extra_token_ids",
 )
 _REQUIRED = (
@@ -174,10 +184,17 @@ _LISTS = {  # the list columns read, and how deep their lists go
     "completion_token_ids": 1,
     "completion_logprobs": 1,
     "support_size": 1,
+    "support_form": 1,
     "topk_token_ids": 2,
     "topk_logprobs": 2,
     "support_token_ids": 2,
-    "extra_token_ids": 2,  # the one that may be null as a whole (no extra samples)
+    "support_mask": 1,
+    "extra_token_ids": 2,
+}
+_WHOLLY_NULLABLE = {  # the lists that may be null as a whole
+    "extra_token_ids",  # no extra samples
+    "support_form",  # a call recorded before support forms (records/support.py)
+    "support_mask",
 }
 _DISAGREE = "its per-position columns disagree in length"
 

@@ -18,7 +18,7 @@ import json
 import pickle
 import shutil
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,15 +49,21 @@ def data_digest(calls: RecordedCalls, advantages: list[dict]) -> str:
     order) and its advantages (in trajectory order); equal data, equal digest."""
     ordered = calls.take(np.argsort(np.array(calls.call_id, dtype=object), kind="stable"))
     h = hashlib.sha256()
-    for f in fields(ordered):
-        value = getattr(ordered, f.name)
-        h.update(f.name.encode())
-        for part in (value.values, value.offsets) if isinstance(value, Ragged) else (value,):
-            data = part.tobytes() if isinstance(part, np.ndarray) else json.dumps(part).encode()
-            h.update(len(data).to_bytes(8, "little") + data)  # its length first: no part runs into the next
+    for name, part in _parts(ordered):
+        h.update(name.encode())
+        data = part.tobytes() if isinstance(part, np.ndarray) else json.dumps(part).encode()
+        h.update(len(data).to_bytes(8, "little") + data)  # its length first: no part runs into the next
     for a in sorted(advantages, key=lambda a: a["trajectory_id"]):
         h.update(json.dumps([a["trajectory_id"], a["minibatch"], a["advantage"]]).encode())
     return h.hexdigest()
+
+
+def _parts(value: object, name: str = "") -> list[tuple[str, object]]:
+    """(name, array or JSON value) of every field of a dataclass, nested ones (a Ragged, the support
+    columns) field by field."""
+    if not is_dataclass(value):
+        return [(name, value)]
+    return [part for f in fields(value) for part in _parts(getattr(value, f.name), f"{name}.{f.name}")]
 
 
 def save_state(

@@ -29,6 +29,7 @@ from difflib import SequenceMatcher
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.chat.render import render_ids
+from prodrl_pipeline.records import support
 
 NAN = math.nan
 
@@ -52,6 +53,7 @@ def retokenize_call(call: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
     prefix = agree.index(False) if False in agree else len(agree)
     keep = [t < prefix for t in range(len(completion))]  # after a shift, nothing lines up
     vocab = call["vocab_size"]
+    kept, whole = support.of_call(call), support.unrestricted(vocab)
 
     def pick(column: str, t: int, fallback):  # noqa: ANN001, ANN202
         return call[column][t] if keep[t] else fallback
@@ -64,8 +66,7 @@ def retokenize_call(call: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
         "completion_logprobs": [pick("completion_logprobs", t, NAN) for t in range(len(completion))],
         "topk_token_ids": [pick("topk_token_ids", t, [tok]) for t, tok in enumerate(completion)],
         "topk_logprobs": [pick("topk_logprobs", t, [NAN]) for t in range(len(completion))],
-        "support_size": [pick("support_size", t, vocab) for t in range(len(completion))],
-        "support_token_ids": [pick("support_token_ids", t, []) for t in range(len(completion))],
+        **support.columns([kept[t] if keep[t] else whole for t in range(len(completion))]),
         "extra_token_ids": (
             [extra[t] if keep[t] else [tok] * n_extra for t, tok in enumerate(completion)] if extra else []
         ),

@@ -42,7 +42,7 @@ def test_json_schema_completions_match_the_schema_and_record_the_masked_mu(
             allowed = state.allowed()
             ref = reference_mu(tiny_model, req.prompt_ids + out.token_ids[:t], params, allowed)
             assert out.logprobs[t] == pytest.approx(float(ref[tok]), abs=logprob_tolerance(ref))
-            assert out.support_size[t] == int(ref.isfinite().sum())
+            assert out.supports[t].size == int(ref.isfinite().sum())
             if len(allowed) == 1:  # forced: a one-token support, log-prob 0
                 forced += 1
                 assert out.topk_ids[t].tolist() == [tok] and out.logprobs[t] == 0.0

@@ -7,6 +7,7 @@ from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.engine.sampler import PREFILL_ROWS, TorchEngine, draw
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
+from prodrl_pipeline.records import support
 from tests.conftest import logprob_tolerance
 
 # move tokens (ids from 1024) pushed up or banned, ordinary ones pushed up: a bias that matters
@@ -45,7 +46,9 @@ def test_recorded_logprobs_are_the_processed_distribution(
             allowed = state.allowed() if state is not None else None
             ref = reference_mu(tiny_model, req.prompt_ids + out.token_ids[:t], params, allowed)
             kept = torch.isfinite(ref).nonzero().squeeze(1)
-            assert out.support_size[t] == len(kept)
+            recorded = out.supports[t]
+            assert recorded.size == len(kept)
+            assert support.problem(recorded, out.topk_ids[t], engine.vocab_size) is None
             head = ref.topk(min(20, len(kept)))
             # engine (KV cache) vs a full forward pass, fp32, at the scale of the values compared (not
             # of a token a -100 bias pushed to ~-100, which the head and the draw never hold)
@@ -53,12 +56,12 @@ def test_recorded_logprobs_are_the_processed_distribution(
             assert out.logprobs[t] == pytest.approx(float(ref[tok]), abs=rounding)
             assert out.topk_logprobs[t].tolist() == pytest.approx(head.values.tolist(), abs=rounding)
             assert set(out.topk_ids[t].tolist()) == set(head.indices.tolist())  # the K largest
-            if 20 < len(kept) < engine.vocab_size:
-                assert (
-                    sorted(out.support_ids[t].tolist()) == kept.tolist()
-                )  # support recorded beside the head
+            decoded = support.kept_ids(recorded, out.topk_ids[t], engine.vocab_size)
+            if len(kept) == engine.vocab_size:
+                assert decoded is None
             else:
-                assert out.support_ids[t].tolist() == []
+                assert sorted(decoded.tolist()) == kept.tolist()
+            assert recorded.form == support.form_for(len(kept), min(20, len(kept)), engine.vocab_size)
             if len(kept) == 1:
                 assert out.logprobs[t] == 0.0 and out.topk_ids[t].tolist() == [tok]  # forced token
             else:

@@ -23,6 +23,7 @@ from prodrl_pipeline.engine.vllm_server import (
     weight_label,
 )
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
+from prodrl_pipeline.records import support
 from tests.conftest import logprob_tolerance
 
 V, K = 12, 3
@@ -88,13 +89,14 @@ def test_recorded_head_and_support_are_the_processed_distributions(params):
     out = _engine().completion(req, _choice(steps, sampled))
     for t, lp in enumerate(steps):
         kept = {i for i in range(V) if lp[i] > -math.inf}
-        assert out.support_size[t] == len(kept)
+        assert out.supports[t].size == len(kept)
         head = lp.topk(min(K, len(kept))).indices.tolist()
         assert out.topk_ids[t].tolist() == head
         assert out.topk_logprobs[t].tolist() == pytest.approx(lp[head].tolist())
         assert out.logprobs[t] == pytest.approx(float(lp[sampled[t]]))
-        listed = K < len(kept) < V
-        assert set(out.support_ids[t].tolist()) == (kept if listed else set())
+        decoded = support.kept_ids(out.supports[t], out.topk_ids[t], V)
+        assert (decoded is None) if len(kept) == V else set(decoded.tolist()) == kept
+        assert out.supports[t].form == support.form_for(len(kept), len(head), V)
 
 
 def _walk(matcher: llguidance.LLMatcher, n_vocab: int, ids: list[int]) -> list[set[int]]:
@@ -140,9 +142,9 @@ def test_a_choice_constraint_records_its_allowed_ids_as_the_support():
         Request([1], SamplingParams(), constraint), _choice([first, second, eos], [5, 7, 0])
     )
     assert out.token_ids == [5, 7]
-    assert out.support_size == [4, 2]
-    assert sorted(out.support_ids[0].tolist()) == [4, 5, 8, 10]
-    assert out.support_ids[1].size == 0  # the head (K >= 2) holds the support
+    assert [s.size for s in out.supports] == [4, 2]
+    assert support.kept_ids(out.supports[0], out.topk_ids[0], V).tolist() == [4, 5, 8, 10]
+    assert out.supports[1].form == support.Form.HEAD  # the head (K >= 2) holds the support
     fresh = lambda: Request([1], SamplingParams(), ChoiceConstraint(sequences))  # noqa: E731
     other = _processed(torch.randn(V, generator=g), SamplingParams(), [9])  # vLLM's rule forced 9
     with pytest.raises(ValueError, match="outside the constraint"):  # vLLM produced a sequence outside it
@@ -163,13 +165,12 @@ def test_greedy_records_a_one_token_support():
     lp = _processed(torch.randn(V, generator=torch.Generator().manual_seed(2)), SamplingParams(), None)
     tok = int(lp.argmax())
     out = _engine().completion(Request([1], SamplingParams(temperature=0)), _choice([lp], [tok]))
-    lists = [[h.tolist() for h in column] for column in (out.topk_ids, out.support_ids)]
-    assert (out.token_ids, out.logprobs, lists[0], out.support_size, lists[1]) == (
+    heads = [h.tolist() for h in out.topk_ids]
+    assert (out.token_ids, out.logprobs, heads, out.supports) == (
         [tok],
         [0.0],
         [[tok]],
-        [1],
-        [[]],
+        [support.Support(1, support.Form.HEAD)],
     )
 
 

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 
 from prodrl_pipeline.gateway.landing import HELD_SEGMENTS, LandingLog
+from prodrl_pipeline.records import support
 from prodrl_pipeline.records.schema import TABLES, json_value
 from prodrl_pipeline.records.store import DeltaStore
 
@@ -146,22 +147,24 @@ def test_a_backlog_beyond_the_held_segments_is_read_back_and_lands_exactly_as_ap
 
 
 def test_a_call_recorded_as_arrays_lands_as_its_lists_do_held_or_read_back(tmp_path):
-    """The engine records a position's head and support as arrays (engine/rows.py): a call holding
-    them lands the same rows as its lists, from memory and from the spool's JSON."""
+    """The engine records a position's head and support as arrays and bytes (engine/rows.py,
+    records/support.py): a call holding them lands the same rows as its lists, from memory and from
+    the spool's JSON (where a bitmask is base64)."""
     arrays = {
         "topk_token_ids": [np.array([2, 5], dtype=np.int64)],
         "topk_logprobs": [np.array([-0.1, -2.75], dtype=np.float32)],
-        "support_size": [3],
-        "support_token_ids": [np.array([2, 5, 7], dtype=np.int64)],
+        **support.columns([support.from_ids([2, 5, 7], 2, 9)]),  # 2 bytes, not 3 ids
         "extra_token_ids": [np.array([], dtype=np.int64)],
     }
+    assert arrays["support_form"] == [support.Form.BITMASK]
     calls = [{**_call(i), **arrays} for i in range(HELD_SEGMENTS + 2)]
     landed = _landed_after_an_outage(tmp_path, calls)
     assert [r["call_id"] for r in landed] == [c["call_id"] for c in calls]
     for row in landed:
         assert row["topk_token_ids"] == [[2, 5]]
         assert row["topk_logprobs"] == [[np.float32(-0.1).item(), -2.75]]  # float32, exact
-        assert row["support_token_ids"] == [[2, 5, 7]] and row["extra_token_ids"] == [[]]
+        assert row["support_mask"] == [b"\xa4\x00"] and row["support_token_ids"] == [[]]  # bits 2, 5, 7
+        assert row["extra_token_ids"] == [[]]
 
 
 def test_steady_traffic_through_a_delta_outage_lands_every_record_once(tmp_path):

@@ -19,6 +19,7 @@ from prodrl_pipeline.engine.rows import Completion
 from prodrl_pipeline.gateway.protocol import ChatRequest, CompletionRequest, ParamError
 from prodrl_pipeline.gateway.responses import Ending, TokenFeed, chat_stream, cut_at_stop, stop_at, text_of
 from prodrl_pipeline.gateway.serving import GatewayConfig, Serving
+from prodrl_pipeline.records import support
 
 USER = [{"role": "user", "content": "hi"}]
 TOKENIZER = load_tokenizer("data/tokenizer")
@@ -323,8 +324,7 @@ def test_a_served_call_is_recorded_field_by_field_and_its_prefix_continuity_coun
         logprobs=[-0.5, -0.25],
         topk_ids=[np.array([5, 7]), np.array([6, 8])],
         topk_logprobs=[np.array([-0.5, -1.5], dtype=np.float32), np.array([-0.25, -2.0], dtype=np.float32)],
-        support_size=[50, 2],
-        support_ids=[np.array([], dtype=np.int64)] * 2,
+        supports=[support.unrestricted(50), support.from_ids([6, 8, 20], 2, 50)],  # 7 bytes < 3 ids
         extra_ids=[np.array([9], dtype=np.int64), np.array([6], dtype=np.int64)],
         finish_reason="stop",
     )
@@ -359,8 +359,10 @@ def test_a_served_call_is_recorded_field_by_field_and_its_prefix_continuity_coun
             "completion_logprobs": [-0.5, -0.25],
             "topk_token_ids": [[5, 7], [6, 8]],
             "topk_logprobs": [[-0.5, -1.5], [-0.25, -2.0]],
-            "support_size": [50, 2],
+            "support_size": [50, 3],
+            "support_form": [support.Form.VOCABULARY, support.Form.BITMASK],
             "support_token_ids": [[], []],
+            "support_mask": [b"", b"\x40\x01\x10\x00\x00\x00\x00"],  # bits 6, 8 and 20
             "extra_token_ids": [[9], [6]],
             "vocab_size": 50,
             "sampling": {

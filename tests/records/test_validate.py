@@ -4,6 +4,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pytest
 
+from prodrl_pipeline.records.support import Form
 from prodrl_pipeline.records.validate import call_problem, prefix_continuity, split_valid
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
@@ -197,8 +198,147 @@ def _bias(token, bias) -> dict:
     return {"sampling": SAMPLING | {"logit_bias": [{"token_id": token, "bias": bias}]}}
 
 
+def _formed(form: Form, ids: list[int] = (), mask: bytes = b"", **over) -> dict:
+    """The sound call with its first position's support ({4, 6, 7} of V = 10) recorded in `form`."""
+    return {
+        "support_form": [form, Form.HEAD],
+        "support_token_ids": [list(ids), []],
+        "support_mask": [mask, b""],
+        **over,
+    }
+
+
+KEPT_MASK = b"\xd0\x00"  # bits 4, 6 and 7 of V = 10
+KEPT_COMPLEMENT = [0, 1, 2, 3, 5, 8, 9]
 # (what breaks, the edit to the sound call, the exact reason its rejection must give)
 RULES = [
+    # the support's forms (records/support.py)
+    (
+        "unknown form",
+        _formed(5),
+        "position 0: support form 5 is not one this reader knows "
+        "(VOCABULARY, HEAD, IDS, COMPLEMENT, BITMASK)",
+    ),
+    (
+        "VOCABULARY form of a restricted support",
+        _formed(Form.VOCABULARY),
+        "position 0: a VOCABULARY support of size 3 in a vocabulary of 10",
+    ),
+    (
+        "HEAD form of a support larger than the head",
+        _formed(Form.HEAD),
+        "position 0: a HEAD support of size 3 beside a head of 2",
+    ),
+    (
+        "HEAD form carrying ids",
+        _formed(Form.IDS, [4, 6, 7], support_token_ids=[[4, 6, 7], [5]]),
+        "position 1: a HEAD support carries a payload of another form",
+    ),
+    (
+        "IDS form carrying a mask too",
+        _formed(Form.IDS, [4, 6, 7], KEPT_MASK),
+        "position 0: a IDS support carries a payload of another form",
+    ),
+    (
+        "unsorted ids",
+        _formed(Form.IDS, [4, 7, 6]),
+        "position 0: support ids are not in ascending order",
+    ),
+    ("repeated ids", _formed(Form.IDS, [4, 6, 6]), "position 0: repeated ids in the support"),
+    ("id = V", _formed(Form.IDS, [4, 6, 10]), "position 0: a support id is outside [0, 10)"),
+    ("negative id", _formed(Form.IDS, [-1, 4, 6]), "position 0: a support id is outside [0, 10)"),
+    (
+        "ids short",
+        _formed(Form.IDS, [4, 6]),
+        "position 0: restricted support of 3 tokens is not recorded (IDS: 2 ids)",
+    ),
+    (
+        "complement short",
+        _formed(Form.COMPLEMENT, KEPT_COMPLEMENT[1:]),
+        "position 0: restricted support of 3 tokens is not recorded (COMPLEMENT: 6 ids)",
+    ),
+    (
+        "unsorted complement",
+        _formed(Form.COMPLEMENT, [0, 1, 2, 3, 5, 9, 8]),
+        "position 0: support ids are not in ascending order",
+    ),
+    (
+        "repeated complement id",
+        _formed(Form.COMPLEMENT, [0, 1, 2, 3, 5, 8, 8]),
+        "position 0: repeated ids in the support",
+    ),
+    (
+        "complement id = V",
+        _formed(Form.COMPLEMENT, [0, 1, 2, 3, 5, 8, 10]),
+        "position 0: a support id is outside [0, 10)",
+    ),
+    (
+        "negative complement id",
+        _formed(Form.COMPLEMENT, [-1, 0, 1, 2, 3, 5, 8]),
+        "position 0: a support id is outside [0, 10)",
+    ),
+    (
+        "sampled id in the complement",
+        _formed(Form.COMPLEMENT, KEPT_COMPLEMENT, completion_token_ids=[8, 5]),
+        "position 0: a sampled id is outside the recorded support",
+    ),
+    (
+        "head id in the complement",
+        _formed(Form.COMPLEMENT, [0, 1, 2, 3, 5, 6, 8], completion_token_ids=[4, 5]),
+        "position 0: a head id is outside the recorded support",
+    ),
+    (
+        "bitmask a byte short",
+        _formed(Form.BITMASK, mask=b"\xd0"),
+        "position 0: support bitmask of 1 bytes, not 2 (V = 10)",
+    ),
+    (
+        "bitmask a byte long",
+        _formed(Form.BITMASK, mask=KEPT_MASK + b"\x00"),
+        "position 0: support bitmask of 3 bytes, not 2 (V = 10)",
+    ),
+    (
+        "bitmask popcount above the size",
+        _formed(Form.BITMASK, mask=b"\xd1\x00"),
+        "position 0: support bitmask keeps 4 ids, not support_size 3",
+    ),
+    (
+        "bitmask popcount below the size",
+        _formed(Form.BITMASK, mask=b"\x50\x00"),
+        "position 0: support bitmask keeps 2 ids, not support_size 3",
+    ),
+    (
+        "bitmask bit past V",
+        _formed(Form.BITMASK, mask=b"\x50\x04"),  # bits 4, 6 and 10
+        "position 0: support bitmask sets bits past the vocabulary",
+    ),
+    (
+        "sampled id outside the bitmask",
+        _formed(Form.BITMASK, mask=KEPT_MASK, completion_token_ids=[8, 5]),
+        "position 0: a sampled id is outside the recorded support",
+    ),
+    (
+        "extra sample outside the bitmask",
+        _formed(Form.BITMASK, mask=KEPT_MASK, extra_token_ids=[[9], [5]]),
+        "position 0: a sampled id is outside the recorded support",
+    ),
+    (
+        "head id outside the bitmask",
+        _formed(Form.BITMASK, mask=b"\xc1\x00", completion_token_ids=[6, 5]),  # 0, 6, 7: not the head's 4
+        "position 0: a head id is outside the recorded support",
+    ),
+    (
+        "form list short",
+        _formed(Form.IDS, [4, 6, 7], support_form=[Form.IDS]),
+        "per-position columns disagree with 2 completion ids: {'completion_logprobs': 2, "
+        "'topk_token_ids': 2, 'topk_logprobs': 2, 'support_size': 2, 'support_token_ids': 2, "
+        "'support_form': 1, 'support_mask': 2}",
+    ),
+    (
+        "mask not bytes",
+        _formed(Form.BITMASK, support_mask=["0xd0", b""]),
+        "support_mask is not a list of byte strings",
+    ),
     ("prompt not ints", {"prompt_token_ids": "1 2 3"}, "prompt_token_ids is not a list of integers"),
     ("bool id", {"completion_token_ids": [4, True]}, "completion_token_ids is not a list of integers"),
     ("float size", {"support_size": [3, 1.0]}, "support_size is not a list of integers"),
@@ -332,37 +472,37 @@ RULES = [
     (
         "support missing",
         {"support_token_ids": [[], []]},
-        "position 0: restricted support of 3 tokens is not recorded",
+        "position 0: restricted support of 3 tokens is not recorded (IDS: 0 ids)",
     ),
     (
         "support short",
         {"support_token_ids": [[4, 6], []]},
-        "position 0: restricted support of 3 tokens is not recorded",
+        "position 0: restricted support of 3 tokens is not recorded (IDS: 2 ids)",
     ),
     (
         "head id = V",
         {"topk_token_ids": [[4, 10], [5]], "support_size": [10, 1]},
-        "position 0: a head, support or extra id is outside [0, 10)",
+        "position 0: a head or extra id is outside [0, 10)",
     ),
     (
         "extra id = V",
         {"extra_token_ids": [[10], [5]]},
-        "position 0: a head, support or extra id is outside [0, 10)",
+        "position 0: a head or extra id is outside [0, 10)",
     ),
     (
         "negative support id",
         {"support_token_ids": [[4, 6, -1], []]},
-        "position 0: a head, support or extra id is outside [0, 10)",
+        "position 0: a support id is outside [0, 10)",
     ),
     (
         "repeated support",
         {"support_token_ids": [[4, 6, 6], []]},
-        "position 0: repeated ids in the head or the support",
+        "position 0: repeated ids in the support",
     ),
     (
         "repeated head",
         {"topk_token_ids": [[4, 4], [5]], "topk_logprobs": [[-0.9, -0.9], [0.0]]},
-        "position 0: repeated ids in the head or the support",
+        "position 0: repeated ids in the head",
     ),
     (
         "head -inf",
@@ -423,6 +563,11 @@ def test_each_contract_rule_rejects_with_its_exact_reason(edit, reason):
 
 
 SOUND_EDGES = [
+    ("ids form", _formed(Form.IDS, [4, 6, 7])),
+    ("complement form", _formed(Form.COMPLEMENT, KEPT_COMPLEMENT)),
+    ("bitmask form", _formed(Form.BITMASK, mask=KEPT_MASK)),
+    ("bitmask of ids 0 and V-1", _formed(Form.BITMASK, mask=b"\x51\x02", support_size=[4, 1])),  # 0, 4, 6, 9
+    ("legacy ids in any order", {"support_token_ids": [[7, 4, 6], []]}),
     (
         "ids 0 and V-1 everywhere",
         {

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from prodrl_pipeline.engine.processing import bias_matrix
+from prodrl_pipeline.records.support import kept_ids, of_call
 from prodrl_pipeline.rl.estimators import EstimatorConfig, TokenInputs, objective
 from prodrl_pipeline.rl.logprobs import EVERY_OUTPUT, Sequences, build_sequences, token_logprobs
 from prodrl_pipeline.rl.recorded import RecordedCalls
@@ -287,10 +288,8 @@ def _packed_token_by_token(calls, pad_id):
             out["temp"].append(c["sampling"]["temperature"])
             # the engine records per-position arrays (engine/rows.py): compared here as lists
             head = np.asarray(c["topk_token_ids"][t]).tolist()
-            support = np.asarray(c["support_token_ids"][t]).tolist()
-            size = c["support_size"][t]  # the kept support (docs/tables.md)
-            restricted = head if size <= len(head) else support
-            out["support"].append(None if size >= c["vocab_size"] else restricted)
+            kept = kept_ids(of_call(c)[t], head, c["vocab_size"])  # the kept support (docs/tables.md)
+            out["support"].append(None if kept is None else kept.tolist())
             out["mu"].append(c["completion_logprobs"][t])
             out["head"].append(head)
             out["head_mu"].append(np.asarray(c["topk_logprobs"][t]).tolist())
@@ -307,7 +306,8 @@ def test_packing_equals_packing_token_by_token(recorded, tokenizer):
     ids, mask, ref = _packed_token_by_token(calls, tokenizer.pad_token_id)
     assert torch.equal(seqs.input_ids, ids) and torch.equal(seqs.attention_mask, mask)
     assert seqs.token_row.tolist() == ref["row"] and seqs.token_pos.tolist() == ref["pos"]
-    assert seqs.token_ids.tolist() == ref["tok"] and seqs.support == ref["support"]
+    assert seqs.token_ids.tolist() == ref["tok"]
+    assert [None if s is None else s.tolist() for s in seqs.support] == ref["support"]
     assert torch.equal(seqs.temperature, torch.tensor(ref["temp"], dtype=torch.float32))
     assert torch.equal(seqs.deployment_logprobs, torch.tensor(ref["mu"], dtype=torch.float32))
     lengths = {len(h) for h in ref["head"]}

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from prodrl_pipeline.records import support
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.retokenize import retokenize_calls
@@ -23,13 +24,12 @@ def _split_move(call: dict, tokenizer) -> dict:
     def spread(column: str) -> list:
         return call[column][:free] + [call[column][free]] * len(pieces) + call[column][free + 1 :]
 
-    out = {c: spread(c) for c in ("completion_logprobs", "topk_token_ids", "topk_logprobs", "support_size")}
+    out = {c: spread(c) for c in ("completion_logprobs", "topk_token_ids", "topk_logprobs", *support.COLUMNS)}
     ids = call["completion_token_ids"]
     return {
         **call,
         **out,
         "completion_token_ids": ids[:free] + pieces + ids[free + 1 :],
-        "support_token_ids": [[] for _ in range(len(ids) + len(pieces) - 1)],
         "extra_token_ids": [],
     }
 
@@ -156,13 +156,17 @@ def test_a_differing_prompt_is_replaced_and_counted_and_recorded_supports_kept_w
     for call in calls[:2]:
         call["prompt_token_ids"] = call["prompt_token_ids"][1:]  # as another tokenizer would have cut it
     n = len(calls[0]["completion_token_ids"])
-    calls[0]["support_token_ids"] = [[5, 6, 7]] * n  # as if recorded under a top-k of three
+    top3 = support.Support(3, support.Form.IDS, [5, 6, 7])  # as if recorded under a top-k of three
+    calls[0].update(support.columns([top3] * n))
     rebuilt, report = retokenize_calls(calls, tokenizer)
     assert report["prompt_differs"] == 2
     assert [len(c["prompt_token_ids"]) for c in rebuilt[:2]] == [
         len(c["prompt_token_ids"]) + 1 for c in calls[:2]
     ]
-    assert rebuilt[0]["support_token_ids"] == [[5, 6, 7]] * n + [[]]  # the new newline: the whole vocabulary
+    kept = [(s.size, s.form, list(s.ids)) for s in support.of_call(rebuilt[0])]
+    assert kept == [(3, support.Form.IDS, [5, 6, 7])] * n + [
+        (calls[0]["vocab_size"], support.Form.VOCABULARY, [])
+    ]
     assert set(k for k in report if k.startswith("stretch")) == {"stretch: template whitespace"}
 
 
@@ -171,6 +175,7 @@ COLUMNS = (
     "topk_token_ids",
     "topk_logprobs",
     "support_size",
+    "support_form",
     "support_token_ids",
     "extra_token_ids",
 )
@@ -192,7 +197,9 @@ def test_nothing_after_the_first_disagreement_is_kept_even_where_later_ids_agree
     given = {
         **call,
         "completion_token_ids": recorded_ids,
-        "support_token_ids": [[5, 6, 7, t] for t in range(n)],  # told apart per position
+        **support.columns(
+            [support.Support(4, support.Form.IDS, [5, 6, 7, t]) for t in range(n)]
+        ),  # told apart
         "extra_token_ids": [[10_000 + t, 20_000 + t] for t in range(n)],
     }
     new = retokenize_call(given, tokenizer)
@@ -205,4 +212,4 @@ def test_nothing_after_the_first_disagreement_is_kept_even_where_later_ids_agree
             assert got == [given[c][t] for c in COLUMNS], t
         else:
             assert math.isnan(got[0]) and math.isnan(got[2][0]) and len(got[2]) == 1, t
-            assert [got[1], got[3], got[4], got[5]] == [[tok], vocab, [], [tok, tok]], t
+            assert [got[1], got[3], got[4], list(got[5]), got[6]] == [[tok], vocab, 0, [], [tok, tok]], t

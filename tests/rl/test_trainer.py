@@ -166,6 +166,7 @@ def test_is_ratios_renormalize_over_a_top_k_or_top_p_support(tiny_model, tokeniz
     from prodrl_pipeline.engine.rows import Request
     from prodrl_pipeline.engine.sampler import TorchEngine
     from prodrl_pipeline.envs.chess_env import ChessEpisode
+    from prodrl_pipeline.records import support
 
     engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     for params in (SamplingParams(top_k=5, max_tokens=6), SamplingParams(top_p=0.5, max_tokens=6)):
@@ -181,8 +182,7 @@ def test_is_ratios_renormalize_over_a_top_k_or_top_p_support(tiny_model, tokeniz
                 "completion_logprobs": o.logprobs,
                 "topk_token_ids": o.topk_ids,
                 "topk_logprobs": o.topk_logprobs,
-                "support_size": o.support_size,
-                "support_token_ids": o.support_ids,
+                **support.columns(o.supports),
                 "vocab_size": engine.vocab_size,
                 "sampling": {"temperature": 1.0},
             }
