@@ -8,31 +8,42 @@ s_x = amax_x / (6 * 448) as its static per-tensor FP32 scale (ModelOpt's max cal
   x_hat = q * sb * s_x
   y = x_hat @ W_hat^T (+ b)   in fp32, W_hat the dequantized NVFP4 weights (`nvfp4.py`).
 The kernel multiplies the FP4 codes exactly and accumulates in fp32, so this is its result up to
-summation order. Inputs beyond the calibrated amax saturate (sb at 448, q at ±6), as in the kernel.
-The quantization is ModelOpt's own (`NVFP4QTensor.quantize` with the global scale given), the one
-the weights go through; an all-zero block gets scale 1 there (the kernel writes 0: x_hat is 0 both
-ways).
+summation order. Inputs beyond the calibrated amax saturate (sb at 448, q at ±6), as in the kernel;
+an all-zero block gets sb = 1 (the kernel writes 0: x_hat is 0 both ways).
+The arithmetic is ModelOpt's `NVFP4QTensor.quantize` then `.dequantize` with the global scale given
+(the path the weights take), written out in a few tensor ops: its packing, unpacking and table
+search made serving 2-3x slower. tests/quant/test_w4a4.py checks both bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-from prodrl_pipeline.quant.modelopt_lib import BLOCK, modelopt
+from prodrl_pipeline.quant.modelopt_lib import BLOCK
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_MIN = 2.0**-9  # the smallest subnormal: block scales are clamped to [E4M3_MIN, E4M3_MAX] before the cast
 
 
 def quantize_activations(
     x: torch.Tensor, input_scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """NVFP4 of `x` [..., K] with the per-tensor scale `input_scale`: the packed E2M1 codes
-    (uint8 [..., K/2], two a byte, low nibble first), the block scales (float8_e4m3fn [..., K/16])
-    and x_hat = q * sb * s_x (fp32 [..., K])."""
-    nvfp4 = modelopt().NVFP4QTensor
-    packed, scale, _ = nvfp4.quantize(x.float(), BLOCK, weights_scaling_factor_2=input_scale)
-    x_hat = packed.dequantize(
-        dtype=torch.float32, scale=scale, double_scale=input_scale, block_sizes={-1: BLOCK}
-    )
-    return packed._quantized_data, scale, x_hat
+    """NVFP4 of `x` [..., K] with the per-tensor scale s_x = `input_scale`: q, the signed E2M1 values
+    (fp32 [..., K]; the code's sign bit is q's, so a negative x that rounds to 0 gives -0.0), the block
+    scales sb (float8_e4m3fn [..., K/16]) and x_hat = q * (sb * s_x) (fp32)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)  # [..., K/16, 16]
+    raw = blocks.abs().amax(-1) / (E2M1_MAX * input_scale)
+    sb = torch.where(raw == 0, 1.0, raw).clamp(E4M3_MIN, E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = (sb.float() * input_scale).unsqueeze(-1)  # [..., K/16, 1]
+    y = blocks / scale
+    magnitude = y.abs().clamp(max=E2M1_MAX)
+    # the E2M1 grid steps by 0.5 below 2, by 1 below 4 and by 2 up to 6; round() takes a tie to the
+    # even multiple of the step, which is the even code
+    step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
+    rounded = torch.round(magnitude / step) * step
+    q = torch.where(y < 0, -rounded, rounded)  # the sign bit of x < 0 (a -0.0 input is +0, as ModelOpt)
+    return q.reshape(x.shape), sb, (q * scale).reshape(x.shape)
 
 
 class W4A4Linear(torch.nn.Linear):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from prodrl_pipeline.quant.modelopt_lib import modelopt
 from prodrl_pipeline.quant.nvfp4 import QUANTIZED, export_deployment, load_deployment
 from prodrl_pipeline.quant.w4a4 import W4A4Linear, quantize_activations
 from tests.conftest import rounding_tolerance
@@ -52,14 +53,27 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
 
 
+def _codes(q: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of signed E2M1 values: sign bit 3 (set for -0.0 too), magnitude index."""
+    return ((q.abs()[..., None] == E2M1).int().argmax(-1) + 8 * q.signbit()).to(torch.uint8)
+
+
 def _check(x: torch.Tensor, s: float) -> None:
-    packed, scale, x_hat = quantize_activations(x, torch.tensor(s))
+    q, scale, x_hat = quantize_activations(x, torch.tensor(s))
     codes, sb, want = reference(x, s)
-    assert packed.dtype == torch.uint8 and scale.dtype == torch.float8_e4m3fn
-    assert torch.equal(_unpack(packed), codes)
+    assert scale.dtype == torch.float8_e4m3fn and x_hat.dtype == torch.float32
+    assert torch.isin(q.abs(), E2M1.float()).all() and torch.equal(_codes(q), codes)
     assert torch.equal(scale.double(), sb)
     # q * sb * s in fp32: two roundings of the exact product, each within eps/2 of it
     assert ((x_hat.double() - want).abs() <= torch.finfo(torch.float32).eps * want.abs()).all()
+    # and bit for bit what ModelOpt's NVFP4QTensor gives with this global scale (its weight path)
+    nvfp4 = modelopt().NVFP4QTensor
+    packed, mo_scale, _ = nvfp4.quantize(x, 16, weights_scaling_factor_2=torch.tensor(s))
+    mo_hat = packed.dequantize(
+        dtype=torch.float32, scale=mo_scale, double_scale=torch.tensor(s), block_sizes={-1: 16}
+    )
+    assert torch.equal(_unpack(packed._quantized_data), codes) and torch.equal(mo_scale, scale)
+    assert torch.equal(x_hat, mo_hat)
 
 
 S = 2.0**-8  # the hand-made blocks' tensor scale: a block of amax 6 gets sb = 256, so sb * s = 1
