@@ -12,7 +12,7 @@ def evaluate_deployment(
     """Greedy solve of the held-out puzzles by `deployment`; replaces its rows for `round_`."""
     heldout = list(lab.puzzles("heldout"))[: lab.eval_puzzles or None]
     rows = evaluate(
-        lab.engine(artifacts.local(deployment["path"])),
+        lab.engine(artifacts.local(deployment["path"]), deployment["quant_format"]),
         lab.tokenizer(),
         heldout,
         deployment_id=deployment["deployment_id"],

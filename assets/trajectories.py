@@ -131,7 +131,7 @@ def _collect_lab(  # noqa: PLR0913
     puzzles = rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
     context.log.info(f"round {k}: collecting {n} trajectories from deployment {live['deployment_id']}")
     rollouts = play(
-        lab.engine(artifacts.local(live["path"])),
+        lab.engine(artifacts.local(live["path"]), live["quant_format"]),
         lab.tokenizer(),
         puzzles,
         lab.sampling(),

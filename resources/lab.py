@@ -18,7 +18,7 @@ from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.evals.gate import check_gate_settings
 from prodrl_pipeline.model import TinyQwen3Config, pad_id
-from prodrl_pipeline.quant.nvfp4 import load_deployment
+from prodrl_pipeline.quant.nvfp4 import QuantFormat, load_deployment
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.trainer import TrainerConfig
 from prodrl_pipeline.rl.warmstart import WarmStartConfig
@@ -76,8 +76,10 @@ class LabResource(ConfigurableResource):
     warm_start_lr: float = 2e-3
     warm_start_batch: int = 64
     """Player turns per warm-start step."""
-    quant_format: Literal["nvfp4", "none"] = "nvfp4"
-    """How deployments are exported: NVFP4 weights (served dequantized) or full precision."""
+    quant_format: QuantFormat = "nvfp4"  # "nvfp4_w4a4": serve W4A4 (NVFP4 activations too)
+    """How deployments are exported and served: NVFP4 weights with fp32 activations (`nvfp4`, Hopper's
+    W4A16), NVFP4 weights and activations (`nvfp4_w4a4`, Blackwell's W4A4, emulated: quant/w4a4.py)
+    or full precision (`none`). Recorded in each deployment's registry row, which the engine reads."""
     qat: bool = False
     """NVFP4 quantization-aware training: the trainer's forward uses the weights the deployment will
     serve (straight-through gradient), so pi_k matches mu up to kernel differences."""
@@ -225,7 +227,7 @@ class LabResource(ConfigurableResource):
         )
 
     def trainer(self, estimator: EstimatorSettings | None = None) -> TrainerConfig:
-        if self.qat and self.quant_format != "nvfp4":
+        if self.qat and self.quant_format == "none":
             raise ValueError(f"qat trains for NVFP4 deployments; quant_format is {self.quant_format!r}")
         if self.trainer_image and self.trainer_processes < 1:
             raise ValueError("trainer_image runs torchrun in a pod: set trainer_processes (its GPUs) >= 1")
@@ -263,11 +265,11 @@ class LabResource(ConfigurableResource):
     def puzzles(self, split: Literal["train", "warmup", "heldout"]) -> tuple[Puzzle, ...]:
         return _puzzles(self.data_dir, split)
 
-    def engine(self, deployment_path: str | Path) -> TorchEngine:
-        """The embedded engine serving a deployment export."""
+    def engine(self, deployment_path: str | Path, quant_format: QuantFormat) -> TorchEngine:
+        """The embedded engine serving a deployment export as its registry row's `quant_format` says."""
         tok = self.tokenizer()
         return TorchEngine(
-            load_deployment(deployment_path),
+            load_deployment(deployment_path, quant_format),
             tok.eos_token_id,
             pad_id(tok),
             self.top_logprobs,

@@ -67,7 +67,7 @@ EXECUTED: list[tuple[str, str, str]] = [
         "tests/test_bench_smoke.py",
         r'"-m", "bench\.scaling", "--smoke"',
     ),
-    (r"python -m bench\.gateway(_load)? .*", THIS, r"BENCH_COMMANDS"),
+    (r"python -m bench\.(gateway(_load)? .*|w4a4_mismatch)", THIS, r"BENCH_COMMANDS"),
     (r"make data|python -m prodrl_pipeline\.envs\.lab_data data", THIS, r'"make", "-s", "data"'),
     (r"make study|python -m assets\.study (run|report).*", THIS, r'"assets\.study",\s*"run"'),
     (
@@ -175,6 +175,7 @@ def test_the_documented_extras_install(extra):
 BENCH_COMMANDS = [
     ["bench.gateway", "--bursts", "4"],
     ["bench.gateway_load", "--rounds", "3"],
+    ["bench.w4a4_mismatch"],
 ]
 
 

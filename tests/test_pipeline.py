@@ -4,6 +4,7 @@ import json
 import math
 from pathlib import Path
 
+import torch
 from dagster import AssetKey, Definitions, instance_for_test, materialize
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -19,8 +20,11 @@ from assets.torchrun import trainer_pod_spec
 from assets.trajectories import trajectories
 from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.model import SIZES, TinyQwen3Config, build_model
+from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import BASE, lookup, register_checkpoint
 from prodrl_pipeline.rl.checkpoint import META_FILE
+from prodrl_pipeline.rl.recorded import RecordedCalls
+from prodrl_pipeline.rl.trainer import policy_logprobs
 from resources.lab import LabResource
 from resources.store import StoreResource
 
@@ -270,6 +274,35 @@ def test_the_base_is_reused_and_not_rebuilt_under_checkpoints_trained_from_it(tm
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         assert "settings changed (warm_start)" in str(failure.event_specific_data.error)
         assert "main-r000001" in str(failure.event_specific_data.error)
+
+
+def test_a_w4a4_lab_records_what_its_nvfp4_activations_serve(tmp_path):
+    """quant_format nvfp4_w4a4 flows into the registry row, and the engine that collects reads it:
+    the recorded log mu of the sampled tokens is the W4A4 forward's, not the W4A16 one's."""
+    resources = _resources(tmp_path, quant_format="nvfp4_w4a4")
+    lab, store = resources["lab"], resources["store"]
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        instance.add_dynamic_partitions("rounds", [round_key(1)])
+        assert materialize(
+            ASSETS,
+            selection=[trajectories],
+            partition_key=round_key(1),
+            instance=instance,
+            resources=resources,
+        ).success
+    tables = store.tables()
+    base = lookup(tables, "deployments", "deployment_id", BASE)
+    assert base["quant_format"] == "nvfp4_w4a4"
+    calls = RecordedCalls.from_arrow(tables.read("calls", 1))
+    sampled = torch.from_numpy(calls.support_size > 1)
+    mu = torch.from_numpy(calls.completion_logprobs)[sampled]
+    distance = {}
+    for served in ("nvfp4", "nvfp4_w4a4"):
+        model = load_deployment(store.artifacts().local(base["path"]), served)
+        lp = policy_logprobs(model, calls, lab.trainer(), lab.pad_id(), fake_quant=False)
+        distance[served] = float((torch.cat([lp[c] for c in calls.call_id])[sampled] - mu).abs().mean())
+    assert distance["nvfp4_w4a4"] < distance["nvfp4"] / 10, distance
 
 
 def test_a_failed_deploy_gate_keeps_the_live_pointer(tmp_path):

@@ -225,9 +225,13 @@ def _lab_model(folder: Path) -> Path:
 def _solved(store: DeltaStore, deployment_id: str) -> dict[str, bool]:
     """The deployment's greedy held-out results, evaluated here: production mode evaluates nothing."""
     lab = LabResource(data_dir=str(REPO / "data"))
-    path = lookup(store, "deployments", "deployment_id", deployment_id)["path"]
+    row = lookup(store, "deployments", "deployment_id", deployment_id)
     rows = evaluate(
-        lab.engine(path), lab.tokenizer(), lab.puzzles("heldout"), deployment_id=deployment_id, round_=0
+        lab.engine(row["path"], row["quant_format"]),
+        lab.tokenizer(),
+        lab.puzzles("heldout"),
+        deployment_id=deployment_id,
+        round_=0,
     )
     return {r["puzzle_id"]: r["solved"] for r in rows}
 

@@ -50,7 +50,7 @@ def embedded_loader(
         if not path.is_dir():
             raise ValueError(f"{row['deployment_id']}: its export {path} is not a local folder")
         engine = TorchEngine(
-            load_deployment(path),
+            load_deployment(path, row["quant_format"]),
             tokenizer.eos_token_id,
             pad_id(tokenizer),
             args.top_logprobs,

@@ -149,7 +149,7 @@ def test_weight_error_is_the_relative_error_of_what_the_export_serves(tiny_model
 
 
 def test_exports_refuse_what_they_cannot_write(tiny_model, tmp_path):
-    with pytest.raises(ValueError, match="^quant_format must be 'nvfp4' or 'none', got 'int4'$"):
+    with pytest.raises(ValueError, match="^quant_format must be one of nvfp4, nvfp4_w4a4, none, got 'int4'$"):
         export_deployment(tiny_model, tmp_path / "x", "int4")
     assert not (tmp_path / "x").exists()
     odd = {"model.layers.0.mlp.down_proj.weight": torch.ones(4, 24)}
