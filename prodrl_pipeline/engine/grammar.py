@@ -5,32 +5,65 @@ A matcher tracks the completion's bytes against the grammar over the tokenizer's
 token bitmask is the logit mask (part of mu, as every mask is). The end-of-turn id is allowed once
 the text is a complete match. Special tokens other than that id are never allowed: JSON text is
 plain text. Whitespace between JSON tokens is flexible (vLLM's default for this backend).
+
+A call records its constraint once (`GrammarConstraint.recorded`: the grammar, the tokenizer's
+identity, the library's version), not each position's mask: a reader replays the completion
+through the same library to recompute every mask (records/grammar_masks.py). Masks are filled by
+llguidance into an int32 bitmask (bit v % 32 of word v // 32, as vLLM's backend fills them) and
+unpacked by one numpy call.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import weakref
 from functools import lru_cache
+from importlib.metadata import version
 
 import llguidance
 import llguidance.hf
+import llguidance.numpy
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.constraints import ConstraintError
 
+LIBRARY = f"llguidance {version('llguidance')}"
+"""The library whose masks a grammar-constrained call records; a reader must load the same."""
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 MAX_FORCED = 256  # a forced chain longer than this is sampled on (one-token supports) instead
 
 
-def _ll_tokenizer(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> llguidance.LLTokenizer:
-    """llguidance's view of `tokenizer` (built once per tokenizer and end id: ~0.1 s)."""
+def ll_tokenizer(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> tuple[llguidance.LLTokenizer, str]:
+    """llguidance's view of `tokenizer` with `eos_id` as its end, and that view's identity: the
+    sha256 of everything its masks depend on (the vocabulary size, the end id, each token's bytes
+    and whether it is special). Built once per tokenizer and end id (~0.3 s at V = 151,669)."""
     cached = _TOKENIZERS.setdefault(tokenizer, {})
     if eos_id not in cached:
-        cached[eos_id] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=eos_id)
+        ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=eos_id)
+        digest = hashlib.sha256(f"{ll.vocab_size} {eos_id}\n".encode())
+        for v in range(ll.vocab_size):
+            text = ll.decode_bytes([v])
+            digest.update(len(text).to_bytes(4, "little") + text + bytes([ll.is_special_token(v)]))
+        cached[eos_id] = ll, digest.hexdigest()
     return cached[eos_id]
+
+
+def fill_mask(matcher: llguidance.LLMatcher, bits: np.ndarray, row: int = 0) -> None:
+    """llguidance's mask of `matcher`'s next token into row `row` of `bits` ([N, W] int32, from
+    `llguidance.numpy.allocate_token_bitmask`); ConstraintError if the matcher has failed (one that
+    fails while filling leaves no id allowed)."""
+    if matcher.is_error():
+        raise ConstraintError(f"the grammar could not go on: {_short(matcher.get_error())}")
+    llguidance.numpy.fill_next_token_bitmask(matcher, bits, row)
+
+
+def unpack(bits: np.ndarray, n_vocab: int) -> np.ndarray:  # [..., n_vocab] bool
+    """The allowed ids of int32 bitmasks `bits` [..., W] as booleans."""
+    words = np.ascontiguousarray(bits, dtype="<i4").view(np.uint8)
+    return np.unpackbits(words, axis=-1, bitorder="little")[..., :n_vocab].view(bool)
 
 
 class GrammarConstraint:
@@ -46,7 +79,15 @@ class GrammarConstraint:
         self.eos_id, self.n_vocab = eos_id, len(tokenizer)
         self.structured_outputs = structured_outputs
         """The same constraint as vLLM's `structured_outputs` request field (None: no such form)."""
-        self.fresh = llguidance.LLMatcher(_ll_tokenizer(tokenizer, eos_id), grammar, log_level=0)
+        ll, identity = ll_tokenizer(tokenizer, eos_id)
+        self.recorded = {
+            "grammar": grammar,
+            "tokenizer_sha256": identity,
+            "eos_id": eos_id,
+            "library": LIBRARY,
+        }
+        """The call's `grammar` column (docs/tables.md): what a reader needs to recompute its masks."""
+        self.fresh = llguidance.LLMatcher(ll, grammar, log_level=0)
         if self.fresh.is_error():  # compiled once here; each completion starts from a copy
             raise ValueError(f"the grammar cannot be enforced: {_short(self.fresh.get_error())}")
         try:
@@ -89,18 +130,13 @@ class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, eos_id: int, n_vocab: int):
         self.matcher, self.eos_id, self.n_vocab = matcher, eos_id, n_vocab
         self.ended = False
+        self.bits = llguidance.numpy.allocate_token_bitmask(1, n_vocab)  # [1, W] filled in place
         self._mask: np.ndarray | None = None
 
-    @staticmethod
-    def _allowed(matcher: llguidance.LLMatcher, n_vocab: int) -> np.ndarray:  # [n_vocab] bool
-        if matcher.is_error():
-            raise ConstraintError(f"the grammar could not go on: {_short(matcher.get_error())}")
-        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(words, bitorder="little")[:n_vocab].astype(bool)
-
-    def mask(self) -> np.ndarray:
+    def mask(self) -> np.ndarray:  # [n_vocab] bool
         if self._mask is None:
-            self._mask = self._allowed(self.matcher, self.n_vocab)
+            fill_mask(self.matcher, self.bits)
+            self._mask = unpack(self.bits[0], self.n_vocab)
         return self._mask
 
     def allowed(self) -> list[int]:
@@ -120,15 +156,16 @@ class GrammarState:
 
     def forced(self) -> list[int]:
         mask = self.mask()
-        if mask.sum() != 1:  # the common case: nothing forced
+        if np.count_nonzero(mask) != 1:  # the common case: nothing forced
             return []
-        chain, matcher = [], self.matcher.deep_copy()
-        while len(chain) < MAX_FORCED and mask.sum() == 1:
+        chain, matcher, bits = [], self.matcher.deep_copy(), self.bits.copy()
+        while len(chain) < MAX_FORCED and np.count_nonzero(mask) == 1:
             tok = int(np.flatnonzero(mask)[0])
             chain.append(tok)
             if tok == self.eos_id or not matcher.consume_token(tok):
                 break
-            mask = self._allowed(matcher, self.n_vocab)
+            fill_mask(matcher, bits)
+            mask = unpack(bits[0], self.n_vocab)
         return chain
 
     @property

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prodrl_pipeline.engine.constraints import ChoiceConstraint
-from prodrl_pipeline.engine.grammar import GrammarConstraint, _ll_tokenizer
+from prodrl_pipeline.engine.grammar import GrammarConstraint, ll_tokenizer
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.engine.vllm import FILTERED, VLLMEngine, WeightVersionError, structured_outputs
@@ -116,7 +116,7 @@ def test_constraints_reach_vllm_as_the_same_token_level_rules(tokenizer):
     eos = tokenizer.eos_token_id
     constraint = tool_choice_constraint(tokenizer, "move", "move", ["e2e4", "g1f3", "e7e8q"])
     form = structured_outputs(constraint)
-    ll = _ll_tokenizer(tokenizer, eos)
+    ll = ll_tokenizer(tokenizer, eos)[0]
     for seq in constraint.sequences:
         matcher = llguidance.LLMatcher(ll, llguidance.grammar_from("grammar", form["grammar"]), log_level=0)
         state = constraint.start()
