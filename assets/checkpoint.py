@@ -234,10 +234,10 @@ def _train_in_process(
     retokenized: dict = {}
     if cfg.tokens == "retokenized":
         rows, retokenized = retokenize_calls(stored_calls.to_pylist(), lab.tokenizer())
-        calls = RecordedCalls.from_rows(rows)
+        calls = RecordedCalls.from_rows(rows, lab.tokenizer())
         context.log.info(f"round {k}: trains on retokenized calls: {retokenized}")
     else:
-        calls = RecordedCalls.from_arrow(stored_calls)
+        calls = RecordedCalls.from_arrow(stored_calls, lab.tokenizer())  # replays grammar calls' masks
     weights = Path(parent_path, "model.safetensors").stat()
     fingerprint = {  # what the round trains from: its parent (this very file: a re-trained parent is
         "parent_id": meta["parent_id"],  # rewritten at the same path), its config, its data (not

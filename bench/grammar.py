@@ -39,6 +39,7 @@ from prodrl_pipeline.engine.rows import Completion, Request
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.model import TinyQwen3Config, build_model
+from prodrl_pipeline.records import support
 from prodrl_pipeline.records.schema import TABLES
 from prodrl_pipeline.records.store import DeltaStore
 from tests.families import family_tokenizer
@@ -58,10 +59,10 @@ def _record(call: int, prompt: list[int], c: Completion, vocab: int, params: Sam
         "completion_logprobs": c.logprobs,
         "topk_token_ids": c.topk_ids,
         "topk_logprobs": c.topk_logprobs,
-        "support_size": c.support_size,
-        "support_token_ids": c.support_ids,
+        **support.columns(c.supports),
         "extra_token_ids": c.extra_ids,
         "vocab_size": vocab,
+        "grammar": c.grammar,
         "sampling": params.recorded(0),
         "finish_reason": c.finish_reason,
         "messages_json": "[]",

@@ -42,6 +42,10 @@ class ConstraintState(Protocol):
 
 
 class Constraint(Protocol):
+    recorded: dict | None
+    """The call's `grammar` column: the constraint recorded once, from which a reader recomputes
+    each position's mask (engine/grammar.py); None: positions record their supports themselves."""
+
     def start(self) -> ConstraintState:
         """A fresh state for one completion."""
 
@@ -51,6 +55,8 @@ class ChoiceConstraint:
     kept sorted, so the sequences that agree with what a completion has consumed so far are one
     contiguous range of them: a state is that range, and nothing else is built (a lab turn builds
     a constraint over ~35 sequences of ~19 ids and walks one path through it)."""
+
+    recorded = None  # its supports are few ids: recorded per position
 
     def __init__(self, sequences: Sequence[Sequence[int]]):
         """`sequences` of ids in any form (lists, tensors) are read as plain ints; tuples that hold

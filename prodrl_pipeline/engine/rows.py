@@ -5,7 +5,8 @@ while its batch runs (`Rows`): the constraint's state, the recording, when the r
 `Rows.record_sampled` records a sampled position: the id, its log-prob under the processed
 distribution mu, the top-K head of mu, the kept support (records/support.py: its size and, when
 the head does not hold it and it is not the vocabulary, its ids, its complement's or a bitmask,
-whichever is smallest) and the M extra samples. A forced token is recorded as what it is: log-prob
+whichever is smallest; GRAMMAR, nothing listed, where it is the whole mask of a constraint recorded
+once per call) and the M extra samples. A forced token is recorded as what it is: log-prob
 0 under a one-token support.
 
 A position's head, support and extra samples are 1-D numpy arrays (ids int64, log-probs as mu's
@@ -68,6 +69,8 @@ class Completion:
     supports: list[Support] = field(default_factory=list)
     extra_ids: list[np.ndarray] = field(default_factory=list)
     finish_reason: str = "length"
+    grammar: dict | None = None
+    """The constraint recorded once for the call (`Constraint.recorded`), None without one."""
 
 
 def check_recording(top_logprobs: int, extra_samples: int) -> None:
@@ -95,7 +98,8 @@ class Rows:
         self.eos_id, self.pad_id, self.top_logprobs = eos_id, pad_id, top_logprobs
         self.extra_samples = extra_samples
         self.states = [r.constraint.start() if r.constraint else None for r in requests]
-        self.out = [Completion() for _ in requests]
+        self.out = [Completion(grammar=r.constraint.recorded if r.constraint else None) for r in requests]
+        self.mask_sizes: np.ndarray | None = None  # [N] ids each row's constraint allowed this step
         self.done = [False] * len(requests)
         self.errors: list[Exception | None] = [None] * len(requests)
 
@@ -117,6 +121,7 @@ class Rows:
         self.errors = [self.errors[i] for i in rows]
 
     def allowed_mask(self) -> torch.Tensor | None:  # [N, V] bool
+        self.mask_sizes = None
         if all(s is None for s in self.states):
             return None
         allowed = torch.ones((len(self.states), self.vocab_size), dtype=torch.bool)
@@ -127,6 +132,8 @@ class Rows:
                     s.allow(allowed[i])
                 except Exception as e:  # noqa: BLE001 - a constraint that fails ends its own row
                     self.fail(i, e)
+        if any(c.grammar is not None for c in self.out):
+            self.mask_sizes = allowed.sum(-1).numpy()
         return allowed
 
     def record_sampled(self, logp: torch.Tensor, sampled: torch.Tensor, extra: torch.Tensor) -> list[int]:
@@ -147,10 +154,28 @@ class Rows:
         # the kept supports (a broken row's NaNs are never recorded)
         kept = (logp > float("-inf")).cpu().numpy()
         live = [i for i in range(len(toks)) if not self.done[i]]
-        n_heads = np.minimum(k, kept[live].sum(-1)).tolist()  # the head's -inf entries cut
-        for i, n_head, kept_i in zip(live, n_heads, support.encode_rows(kept[live], n_heads), strict=True):
-            self.append(i, toks[i], lps[i], heads[i][:n_head], head_lps[i][:n_head], kept_i, extras[i])
+        sizes = np.count_nonzero(kept[live], axis=1).tolist()
+        n_heads = np.minimum(k, sizes).tolist()  # the head's -inf entries cut
+        masked = self._whole_masks(live, sizes, n_heads)
+        listed = [j for j, m in enumerate(masked) if not m]
+        encoded = iter(support.encode_rows(kept[[live[j] for j in listed]], [n_heads[j] for j in listed]))
+        for j, i in enumerate(live):
+            kept_i = Support(sizes[j], support.Form.GRAMMAR) if masked[j] else next(encoded)
+            self.append(
+                i, toks[i], lps[i], heads[i][: n_heads[j]], head_lps[i][: n_heads[j]], kept_i, extras[i]
+            )
         return toks
+
+    def _whole_masks(self, live: list[int], sizes: list[int], n_heads: list[int]) -> list[bool]:
+        """Per live row: its kept support is the whole mask its call's recorded constraint allowed
+        this step (a kept support lies inside that mask: equal sizes are equal sets), larger than
+        the head and smaller than the vocabulary, so a reader recomputes it (GRAMMAR)."""
+        if self.mask_sizes is None:
+            return [False] * len(live)
+        return [
+            self.out[i].grammar is not None and n_heads[j] < sizes[j] == self.mask_sizes[i] < self.vocab_size
+            for j, i in enumerate(live)
+        ]
 
     def force_common(self) -> list[list[int]]:
         """Append to every unfinished row the same number m of forced tokens (m = the shortest

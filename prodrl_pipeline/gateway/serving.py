@@ -239,6 +239,7 @@ class Serving:
                 **support.columns(c.supports),
                 "extra_token_ids": c.extra_ids,
                 "vocab_size": dep.engine.engine.vocab_size,
+                "grammar": c.grammar,
                 "sampling": params.recorded(seed),
                 "finish_reason": c.finish_reason,
                 "messages_json": json.dumps(messages),

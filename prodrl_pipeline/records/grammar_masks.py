@@ -7,6 +7,10 @@ position whose kept support is the grammar's whole mask records no ids: a reader
 completion through a matcher of the same library over the same tokenizer and gets each position's
 mask exactly as the engine applied it. A call that cannot be replayed exactly (another library
 version or tokenizer loaded, a sampled id the mask does not allow) is refused by name.
+
+`resolved` turns a table's GRAMMAR supports (records/support.py) into the BITMASK of their
+recomputed masks, so every later reader (the trainer's restricted-support normalisation) sees one
+exact form.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.grammar import LIBRARY, fill_mask, ll_tokenizer
+from prodrl_pipeline.records.ragged import Ragged, offsets, ranges
+from prodrl_pipeline.records.schema import GRAMMAR
+from prodrl_pipeline.records.support import Form, SupportColumns
 
-FIELDS = ("grammar", "tokenizer_sha256", "eos_id", "library")
-"""The fields of a call's `grammar` record (records/schema.py GRAMMAR)."""
+FIELDS = tuple(GRAMMAR.names)
+"""The fields of a call's `grammar` record."""
 
 
 class GrammarMasks:
@@ -85,3 +92,67 @@ class GrammarMasks:
 
 def _refusal(call_id: str):  # noqa: ANN202
     return lambda reason: ValueError(f"call {call_id!r}: {reason}")
+
+
+def resolved(
+    kept: SupportColumns,
+    call_ids: list[str],
+    grammars: list[dict | None],
+    completion: Ragged,
+    vocab: np.ndarray,  # [calls]
+    samples: Sequence[Ragged],
+    masks: GrammarMasks,
+) -> SupportColumns:
+    """`kept` (every completion position's support) with each GRAMMAR position as the BITMASK of
+    its recomputed mask. Every call with a grammar record is replayed (`GrammarMasks.masks`: its
+    sampled ids checked against each mask); ValueError naming the call for a GRAMMAR position in a
+    call without a record or with a payload, a recomputed mask of another size than the recorded
+    one, or an id of `samples` (ragged per position: the head, the extra samples) outside it."""
+    grammar = kept.form == Form.GRAMMAR
+    owner = np.repeat(np.arange(len(call_ids)), completion.lengths)  # [positions]
+    recorded = np.array([g is not None for g in grammars], dtype=bool)
+    wrong = grammar & (~recorded[owner] | (kept.ids.lengths > 0) | (kept.mask.lengths > 0))
+    if wrong.any():
+        raise ValueError(
+            f"call {call_ids[owner[np.flatnonzero(wrong)[0]]]!r}: a GRAMMAR support in a call that "
+            "recorded no grammar, or with a payload"
+        )
+    at, rows = [], []
+    for c in np.flatnonzero(recorded):
+        start, end = completion.offsets[c], completion.offsets[c + 1]
+        recomputed = masks.masks(call_ids[c], grammars[c], completion.values[start:end], int(vocab[c]))
+        picked = np.flatnonzero(grammar[start:end])
+        counts = np.bitwise_count(recomputed[picked]).sum(axis=1)
+        problems = [
+            (t, f"its recomputed mask keeps {n} ids, its record {kept.size[start + t]}")
+            for t, n in zip(picked, counts, strict=True)
+            if n != kept.size[start + t]
+        ]
+        for ids in samples:
+            lengths = ids.lengths[start + picked]
+            t = np.repeat(picked, lengths)
+            v = ids.values[ranges(ids.offsets[start + picked], lengths)]
+            inside = (v >= 0) & (v < vocab[c])
+            v = np.where(inside, v, 0)
+            held = inside & ((recomputed[t, v // 8] >> (v % 8).astype(np.uint8)) & 1 == 1)
+            problems += [
+                (int(t[q]), f"its head or extra id {v[q]} is outside its recomputed mask")
+                for q in np.flatnonzero(~held)[:1]
+            ]
+        if problems:
+            t, problem = min(problems)
+            raise ValueError(f"call {call_ids[c]!r}: position {t}: {problem}")
+        at.append(start + picked)
+        rows += list(recomputed[picked])
+    if not rows:
+        return kept
+    at = np.concatenate(at)
+    form = kept.form.copy()
+    form[at] = Form.BITMASK
+    lengths = kept.mask.lengths.copy()
+    lengths[at] = [len(r) for r in rows]
+    starts = offsets(lengths)
+    values = np.empty(starts[-1], dtype=np.uint8)
+    values[ranges(starts[:-1], kept.mask.lengths)] = kept.mask.values  # GRAMMAR positions had none
+    values[ranges(starts[at], lengths[at])] = np.concatenate(rows)
+    return SupportColumns(kept.size, form, kept.ids, Ragged(values, starts))

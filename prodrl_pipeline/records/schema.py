@@ -25,6 +25,18 @@ SAMPLING = pa.struct(
     ]
 )
 
+# a grammar-constrained call's constraint, recorded once (records/grammar_masks.py recomputes its
+# GRAMMAR supports from it): the llguidance grammar, the sha256 of llguidance's view of the tokenizer
+# (vocabulary size, end id, each token's bytes and specialness), the end id, "llguidance <version>"
+GRAMMAR = pa.struct(
+    [
+        ("grammar", pa.string()),
+        ("tokenizer_sha256", pa.string()),
+        ("eos_id", pa.int32()),
+        ("library", pa.string()),
+    ]
+)
+
 CALLS = pa.schema(
     [
         ("call_id", pa.string()),
@@ -50,6 +62,7 @@ CALLS = pa.schema(
         # M extra tokens per position sampled from the same mu (score centering's samples form)
         ("extra_token_ids", pa.list_(IDS)),
         ("vocab_size", pa.int32()),
+        ("grammar", GRAMMAR),  # null: no grammar, every support recorded per position
         ("sampling", SAMPLING),
         ("finish_reason", pa.string()),
         ("messages_json", pa.string()),

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 
 from prodrl_pipeline.records import support
 from prodrl_pipeline.records.ragged import Ragged, combined, nulls_within, offsets, ranges
+from prodrl_pipeline.records.schema import GRAMMAR
 from prodrl_pipeline.records.support import SupportColumns
 from prodrl_pipeline.records.validate import HEAD_MASS_TOLERANCE
 
@@ -76,11 +77,23 @@ def _call_problems(table: pa.Table) -> np.ndarray:
         given = ~_numpy(pc.is_null(lists))
         bad |= nulls_within(lists, 1, outer=False) | (given & (_lengths(lists) != per_call))
     bad |= (per_call == 0) | (_lengths(_column(table, "prompt_token_ids")) == 0)
+    if "grammar" in table.column_names:  # a grammar record given is given whole
+        grammar = _column(table, "grammar")
+        given = ~_numpy(pc.is_null(grammar))
+        for name in GRAMMAR.names:
+            bad |= given & _numpy(pc.is_null(pc.struct_field(grammar, name)))
     for name in ("prompt_token_ids", "completion_token_ids"):
         ids = Ragged.of(_column(table, name), np.float64)
         owner = np.repeat(np.arange(n), ids.lengths)
         bad |= _any_per(owner, (ids.values < 0) | (ids.values >= vocab[owner]), n)
     return bad | _sampling_problems(_column(table, "sampling"), vocab)
+
+
+def _has_grammar(table: pa.Table) -> np.ndarray:
+    """[calls] whether a call recorded a grammar (a table from before the column: none did)."""
+    if "grammar" not in table.column_names:
+        return np.zeros(len(table), dtype=bool)
+    return ~_numpy(pc.is_null(_column(table, "grammar")))
 
 
 def _sampling_problems(sampling: pa.StructArray, vocab: np.ndarray) -> np.ndarray:
@@ -121,6 +134,7 @@ def _position_problems(table: pa.Table) -> np.ndarray:
         bad = ~np.isfinite(lp) | (lp > 0)
         bad |= (k == 0) | (k != head_lp.lengths) | (size < k) | (size > vocab)
         bad |= kept.problems(head, vocab)
+        bad |= (kept.form == support.Form.GRAMMAR) & ~_has_grammar(table)[owner]
         for ids in (head, extra):
             at = np.repeat(np.arange(len(k)), ids.lengths)
             bad |= _any_per(at, (ids.values < 0) | (ids.values >= vocab[at]), len(k))

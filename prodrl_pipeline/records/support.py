@@ -8,10 +8,13 @@ enum) naming where the set is, in whichever exact form is smallest:
 - COMPLEMENT: `support_token_ids` lists the ids *not* kept, ascending (4 bytes an id);
 - BITMASK: `support_mask` holds ceil(V / 8) bytes, bit v % 8 (least significant first) of byte
   v // 8 set iff v is kept, the bits past V zero (the layout of numpy's little-endian `packbits`,
-  Arrow's validity bitmaps and llguidance's token masks).
-The payload is at most ceil(V / 8) bytes. The tag is an extensible int8 enum: a later form (a mask
-recomputed from the call's recorded grammar) takes the next value, and a reader refuses a value it
-does not know. A call recorded before the tag existed (its `support_form` null, the older schema)
+  Arrow's validity bitmaps and llguidance's token masks);
+- GRAMMAR: the whole mask of the call's recorded grammar (its `grammar` column), larger than the
+  head and smaller than the vocabulary, nothing more: the trainer's reader recomputes it
+  (records/grammar_masks.py) and reads it as that BITMASK. The validator and the screen check its
+  shape only; whether the sampled ids lie in it is the replay's check, which refuses the call.
+The payload is at most ceil(V / 8) bytes. The tag is an extensible int8 enum, and a reader refuses
+a value it does not know. A call recorded before the tag existed (its `support_form` null, the older schema)
 is read as it was meant: the whole vocabulary, the head, else the listed ids in any order.
 
 Every writer (engine/rows.py, engine/vllm.py, the gateway, the rollout, retokenization) builds a
@@ -40,6 +43,7 @@ class Form(IntEnum):
     IDS = 2
     COMPLEMENT = 3
     BITMASK = 4
+    GRAMMAR = 5
 
 
 COLUMNS = ("support_size", "support_form", "support_token_ids", "support_mask")
@@ -172,6 +176,8 @@ def problem(s: Support, head: Sequence[int] | np.ndarray, vocab: int) -> str | N
         return f"a VOCABULARY support of size {size} in a vocabulary of {vocab}"
     if form == Form.HEAD and size != len(head):
         return f"a HEAD support of size {size} beside a head of {len(head)}"
+    if form == Form.GRAMMAR and not len(head) < size < vocab:
+        return f"a GRAMMAR support of size {size} beside a head of {len(head)} in a vocabulary of {vocab}"
     if form in (Form.IDS, Form.COMPLEMENT):
         want = size if form == Form.IDS else vocab - size
         if len(ids) != want:
@@ -198,10 +204,10 @@ def contains(
     s: Support, query: Sequence[int] | np.ndarray, head: Sequence[int] | np.ndarray, vocab: int
 ) -> np.ndarray:
     """[Q] whether each id of `query` is kept, of a record `problem` passes (an id outside [0, V)
-    is not)."""
+    is not; in a GRAMMAR support every id inside is, until the replay judges it)."""
     query = np.asarray(query, dtype=np.int64)
     inside = (query >= 0) & (query < vocab)
-    if s.form == Form.VOCABULARY:
+    if s.form in (Form.VOCABULARY, Form.GRAMMAR):
         return inside
     if s.form == Form.BITMASK:
         mask = np.frombuffer(s.mask, dtype=np.uint8)
@@ -224,6 +230,8 @@ def kept_ids(s: Support, head: Sequence[int] | np.ndarray, vocab: int) -> np.nda
         keep = np.ones(vocab, dtype=bool)
         keep[np.asarray(s.ids, dtype=np.int64)] = False
         return np.flatnonzero(keep)
+    if s.form == Form.GRAMMAR:
+        raise ValueError("a GRAMMAR support is read as its recomputed mask (records/grammar_masks.py)")
     return np.flatnonzero(np.unpackbits(np.frombuffer(s.mask, dtype=np.uint8), bitorder="little")[:vocab])
 
 
@@ -271,6 +279,7 @@ class SupportColumns:
         bad |= ((ids.lengths > 0) & ~listed) | ((self.mask.lengths > 0) & (form != Form.BITMASK))
         bad |= (form == Form.VOCABULARY) & (size != vocab)
         bad |= (form == Form.HEAD) & (size != head.lengths)
+        bad |= (form == Form.GRAMMAR) & ((size <= head.lengths) | (size >= vocab))
         bad |= (form == Form.IDS) & (ids.lengths != size)
         bad |= (form == Form.COMPLEMENT) & (ids.lengths != vocab - size)
         at = np.repeat(np.arange(n), ids.lengths)
@@ -293,10 +302,11 @@ class SupportColumns:
 
     def contains(self, at: np.ndarray, query: np.ndarray, head: Ragged, vocab: np.ndarray) -> np.ndarray:
         """[Q] whether id `query[q]` is in the kept support of position `at[q]` (of records that
-        pass `problems`; an id outside [0, V) is not)."""
+        pass `problems`; an id outside [0, V) is not; in a GRAMMAR support every id inside is,
+        until the replay judges it)."""
         form = self.form[at]
         inside = (query >= 0) & (query < vocab[at])
-        out = inside & (form == Form.VOCABULARY)
+        out = inside & ((form == Form.VOCABULARY) | (form == Form.GRAMMAR))
         stride = int(vocab.max(initial=0)) + 1  # (position, id) keys: unique per pair
 
         def keys(ids: Ragged, where: np.ndarray) -> np.ndarray:

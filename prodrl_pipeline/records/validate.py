@@ -85,6 +85,13 @@ def _shape_problem(call: dict) -> str | None:
         return "topk_logprobs is not a list of lists of numbers"
     if not _ints([call.get("vocab_size") or 0]):
         return "vocab_size is not an integer"
+    grammar = call.get("grammar")
+    if grammar is not None and (
+        not isinstance(grammar, dict)
+        or not all(isinstance(grammar.get(k), str) for k in ("grammar", "tokenizer_sha256", "library"))
+        or not _ints([grammar.get("eos_id")])
+    ):
+        return "grammar is not a record of grammar, tokenizer_sha256 and library strings and an eos_id"
     sampling = call.get("sampling")
     if sampling is not None and (
         not isinstance(sampling, dict)
@@ -137,6 +144,8 @@ def call_problem(call: dict) -> str | None:
             return f"position {t}: support size {size} outside [{len(head)}, {vocab}]"
         if problem := support.problem(kept, head, vocab):
             return f"position {t}: {problem}"
+        if kept.form == support.Form.GRAMMAR and call.get("grammar") is None:
+            return f"position {t}: a GRAMMAR support in a call that recorded no grammar"
         sampled = [tok, *(extra[t] if extra else [])]
         if any(not 0 <= v < vocab for v in [*head, *sampled]):
             return f"position {t}: a head or extra id is outside [0, {vocab})"

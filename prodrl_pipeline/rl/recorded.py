@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.records import support
+from prodrl_pipeline.records.grammar_masks import GrammarMasks, resolved
 from prodrl_pipeline.records.ragged import Ragged, combined, nulls_within, offsets, ranges
 from prodrl_pipeline.records.schema import CALLS
 from prodrl_pipeline.records.support import SupportColumns
@@ -27,7 +29,9 @@ class RecordedCalls:
     sampled id, the kept support's record (records/support.py) and, ragged, the top-K head (ids and
     log mu) and the extra samples. Built by `from_arrow`, which refuses a call whose per-position
     columns disagree in length (flattened, they would pair one position's head with another's
-    token); calls pass records.validate before they are stored."""
+    token); calls pass records.validate before they are stored. A grammar-constrained call's
+    GRAMMAR supports are recomputed from its recorded grammar and read as their BITMASK
+    (records/grammar_masks.py), which needs the served tokenizer and refuses what it cannot replay."""
 
     call_id: list[str]
     trajectory_id: list[str]
@@ -44,8 +48,9 @@ class RecordedCalls:
     extra_ids: Ragged
 
     @classmethod
-    def from_arrow(cls, table: pa.Table) -> RecordedCalls:
-        """From rows of the `calls` table (any further columns are ignored)."""
+    def from_arrow(cls, table: pa.Table, tokenizer: PreTrainedTokenizerBase | None = None) -> RecordedCalls:
+        """From rows of the `calls` table (any further columns are ignored); `tokenizer`: the one
+        the calls were served with (a grammar-constrained call is refused without it)."""
         col = {name: combined(table.column(name)) for name in _READ if name in table.column_names}
         n = len(table)
         sampling = col["sampling"]
@@ -100,30 +105,38 @@ class RecordedCalls:
         bias = [
             (token_ids[at[i] : at[i + 1]], biases[at[i] : at[i + 1]]) if count[i] else None for i in range(n)
         ]
+        call_id = col["call_id"].to_pylist()
+        vocab = col["vocab_size"].to_numpy(zero_copy_only=False).astype(np.int64)
+        kept = SupportColumns.of(
+            {name: col[name] for name in support.COLUMNS if name in col}, head_ids, np.repeat(vocab, per_call)
+        )
+        extra_ids = per_position("extra_token_ids", np.int64, optional=True)
+        grammars = col["grammar"].to_pylist() if "grammar" in col else [None] * n
+        if any(g is not None for g in grammars) or (kept.form == support.Form.GRAMMAR).any():
+            samples = (head_ids, extra_ids)
+            kept = resolved(kept, call_id, grammars, completion, vocab, samples, GrammarMasks(tokenizer))
         return cls(
-            call_id=col["call_id"].to_pylist(),
+            call_id=call_id,
             trajectory_id=col["trajectory_id"].to_pylist(),
             call_index=np.array(col["call_index"].to_numpy(zero_copy_only=False), dtype=np.int64),
-            vocab_size=col["vocab_size"].to_numpy(zero_copy_only=False).astype(np.int64),
+            vocab_size=vocab,
             temperature=temperature.to_numpy(zero_copy_only=False).astype(np.float32),
             bias=bias,
             prompt=Ragged.of(col["prompt_token_ids"], np.int64),
             completion=completion,
             completion_logprobs=flat["completion_logprobs"],
-            support=SupportColumns.of(
-                {name: col[name] for name in support.COLUMNS if name in col},
-                head_ids,
-                np.repeat(col["vocab_size"].to_numpy(zero_copy_only=False).astype(np.int64), per_call),
-            ),
+            support=kept,
             head_ids=head_ids,
             head_logprobs=head_logprobs,
-            extra_ids=per_position("extra_token_ids", np.int64, optional=True),
+            extra_ids=extra_ids,
         )
 
     @classmethod
-    def from_rows(cls, rows: Sequence[dict]) -> RecordedCalls:
+    def from_rows(
+        cls, rows: Sequence[dict], tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> RecordedCalls:
         """From calls as dicts (e.g. straight from a rollout, or retokenized)."""
-        return cls.from_arrow(pa.Table.from_pylist(list(rows), schema=CALLS))
+        return cls.from_arrow(pa.Table.from_pylist(list(rows), schema=CALLS), tokenizer)
 
     def __len__(self) -> int:
         return len(self.call_id)
@@ -170,6 +183,7 @@ _READ = (
     "support_token_ids",
     "support_mask",
     "extra_token_ids",
+    "grammar",
 )
 _REQUIRED = (
     "call_id",

@@ -89,6 +89,8 @@ def test_a_parser_that_gives_up_mid_reply_raises_a_short_constraint_error(tokeni
 class _Broken:
     """A constraint whose matcher fails mid-completion (as llguidance does on a resource limit)."""
 
+    recorded = None
+
     def __init__(self, after: int):
         self.after = after
 

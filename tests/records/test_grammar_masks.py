@@ -4,6 +4,7 @@ vocabulary of 151,669), compared position by position; a record that cannot be r
 refused by name."""
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -13,7 +14,13 @@ from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request, Rows
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.model import build_model
+from prodrl_pipeline.records import support
 from prodrl_pipeline.records.grammar_masks import GrammarMasks
+from prodrl_pipeline.records.schema import CALLS
+from prodrl_pipeline.records.support import Form
+from prodrl_pipeline.records.validate import call_problem
+from prodrl_pipeline.rl.logprobs import _supports
+from prodrl_pipeline.rl.recorded import RecordedCalls
 from tests.conftest import TINY
 from tests.families import family_tokenizer
 
@@ -67,7 +74,7 @@ def _check_recomputed_equal_applied(tokenizer, model, constraint, params, n_requ
         for t, tok in enumerate(out.token_ids):
             if t in applied[i]:  # sampled under this mask (the support: no top-k / top-p cut)
                 assert np.array_equal(recomputed[t], applied[i][t]), (i, t)
-                assert out.support_size[t] == applied[i][t].sum()
+                assert out.supports[t].size == applied[i][t].sum()
             else:  # forced without sampling: the engine's support is the one id
                 assert np.flatnonzero(recomputed[t]).tolist() == [tok], (i, t)
             sizes.append(int(recomputed[t].sum()))
@@ -130,3 +137,75 @@ def test_without_the_served_tokenizer_a_grammar_call_is_refused(tokenizer):
         GrammarMasks(None).masks("c7", record, ids, len(tokenizer))
     with pytest.raises(ValueError, match="another tokenizer"):  # the real Qwen3 is not the lab's
         GrammarMasks(family_tokenizer("qwen3")).masks("c7", record, ids, 200_000)
+
+
+def _rows(prompts, outs, vocab) -> list[dict]:  # noqa: ANN001
+    """The calls as the gateway records them (gateway/serving.py `Serving.record`)."""
+    return [
+        {
+            "call_id": f"c{i}",
+            "trajectory_id": f"t{i}",
+            "call_index": 0,
+            "round": 1,
+            "deployment_id": "d",
+            "prompt_token_ids": p,
+            "completion_token_ids": c.token_ids,
+            "completion_logprobs": c.logprobs,
+            "topk_token_ids": c.topk_ids,
+            "topk_logprobs": c.topk_logprobs,
+            **support.columns(c.supports),
+            "extra_token_ids": c.extra_ids,
+            "vocab_size": vocab,
+            "grammar": c.grammar,
+            "sampling": SamplingParams().recorded(0),
+            "finish_reason": c.finish_reason,
+            "messages_json": "[]",
+        }
+        for i, (p, c) in enumerate(zip(prompts, outs, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("family", ["lab", "qwen3"])
+def test_the_trainer_reads_a_grammar_call_with_the_supports_the_engine_sampled_from(
+    family, tokenizer, tiny_model
+):
+    """Recorded once per call (GRAMMAR positions list nothing), read back through Arrow by the
+    trainer's reader: every position's support is the set the engine applied, the calls pass the
+    validator, and a reader without the served tokenizer refuses them by name."""
+    if family == "qwen3":
+        tokenizer = family_tokenizer("qwen3")
+        torch.manual_seed(0)
+        tiny_model = build_model(TINY, len(tokenizer), tokenizer.pad_token_id)
+    engine = TorchEngine(tiny_model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    constraint = GrammarConstraint.json(tokenizer, tokenizer.eos_token_id)  # keys and strings: free text
+    prompts = [render_ids(tokenizer, [{"role": "user", "content": f"JSON {i}."}]) for i in range(2)]
+    requests = [Request(p, SamplingParams(max_tokens=24), constraint) for p in prompts]
+    outs, applied = _applied_masks(engine, requests, seed=2)
+    rows = _rows(prompts, outs, engine.vocab_size)
+    forms = {int(f) for row in rows for f in row["support_form"]}
+    assert Form.GRAMMAR in forms and not {Form.IDS, Form.COMPLEMENT, Form.BITMASK} & forms
+    assert call_problem(rows[0]) is None and call_problem(rows[1]) is None
+    calls = RecordedCalls.from_arrow(pa.Table.from_pylist(rows, schema=CALLS), tokenizer)
+    supports = _supports(calls, np.repeat(np.arange(len(calls)), calls.completion.lengths))
+    t = 0
+    for i, out in enumerate(outs):
+        for p in range(len(out.token_ids)):
+            kept = supports[t]
+            if p in applied[i] and applied[i][p].sum() > len(out.topk_ids[p]):
+                assert np.array_equal(kept, np.flatnonzero(applied[i][p])), (i, p)
+            else:  # held by the head: forced, or a mask of no more ids than the head
+                assert set(kept.tolist()) == set(out.topk_ids[p].tolist()), (i, p)
+            t += 1
+    with pytest.raises(ValueError, match="call 'c0': it was served under a grammar: reading it needs"):
+        RecordedCalls.from_arrow(pa.Table.from_pylist(rows, schema=CALLS))
+    wrong = [
+        {
+            **rows[0],
+            "completion_token_ids": [
+                rows[0]["completion_token_ids"][1],
+                *rows[0]["completion_token_ids"][1:],
+            ],
+        }
+    ]
+    with pytest.raises(ValueError, match="call 'c0': position 0: sampled id"):
+        RecordedCalls.from_arrow(pa.Table.from_pylist(wrong, schema=CALLS), tokenizer)

@@ -209,15 +209,42 @@ def _formed(form: Form, ids: list[int] = (), mask: bytes = b"", **over) -> dict:
 
 
 KEPT_MASK = b"\xd0\x00"  # bits 4, 6 and 7 of V = 10
+GRAMMAR = {
+    "grammar": "start: /[a-z]+/",
+    "tokenizer_sha256": "0" * 64,
+    "eos_id": 2,
+    "library": "llguidance 1.9.1",
+}
+"""A grammar record's shape (whether it replays is the trainer's reader's check: records/grammar_masks.py)."""
 KEPT_COMPLEMENT = [0, 1, 2, 3, 5, 8, 9]
 # (what breaks, the edit to the sound call, the exact reason its rejection must give)
 RULES = [
     # the support's forms (records/support.py)
     (
         "unknown form",
-        _formed(5),
-        "position 0: support form 5 is not one this reader knows "
-        "(VOCABULARY, HEAD, IDS, COMPLEMENT, BITMASK)",
+        _formed(6),
+        "position 0: support form 6 is not one this reader knows "
+        "(VOCABULARY, HEAD, IDS, COMPLEMENT, BITMASK, GRAMMAR)",
+    ),
+    (
+        "GRAMMAR form in a call that recorded no grammar",
+        _formed(Form.GRAMMAR),
+        "position 0: a GRAMMAR support in a call that recorded no grammar",
+    ),
+    (
+        "GRAMMAR form carrying ids",
+        _formed(Form.GRAMMAR, [4, 6, 7], grammar=GRAMMAR),
+        "position 0: a GRAMMAR support carries a payload of another form",
+    ),
+    (
+        "GRAMMAR form no larger than the head",
+        _formed(Form.GRAMMAR, support_size=[2, 1], grammar=GRAMMAR),
+        "position 0: a GRAMMAR support of size 2 beside a head of 2 in a vocabulary of 10",
+    ),
+    (
+        "grammar record without its library",
+        {"grammar": {k: v for k, v in GRAMMAR.items() if k != "library"}},
+        "grammar is not a record of grammar, tokenizer_sha256 and library strings and an eos_id",
     ),
     (
         "VOCABULARY form of a restricted support",
@@ -566,6 +593,7 @@ SOUND_EDGES = [
     ("ids form", _formed(Form.IDS, [4, 6, 7])),
     ("complement form", _formed(Form.COMPLEMENT, KEPT_COMPLEMENT)),
     ("bitmask form", _formed(Form.BITMASK, mask=KEPT_MASK)),
+    ("grammar form", _formed(Form.GRAMMAR, grammar=GRAMMAR)),
     ("bitmask of ids 0 and V-1", _formed(Form.BITMASK, mask=b"\x51\x02", support_size=[4, 1])),  # 0, 4, 6, 9
     ("legacy ids in any order", {"support_token_ids": [[7, 4, 6], []]}),
     (
