@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench import delta_io, engine, estimators, logprob_memory, record_bytes, round, trainer
+from bench import delta_io, engine, estimators, grammar, logprob_memory, record_bytes, round, trainer
 from bench.ratios import Ratio, report
 
-MODULES = (engine, trainer, delta_io, round, estimators, logprob_memory, record_bytes)
+MODULES = (engine, grammar, trainer, delta_io, round, estimators, logprob_memory, record_bytes)
 
 
 def main() -> None:

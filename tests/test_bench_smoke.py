@@ -13,6 +13,10 @@ REPO = Path(__file__).resolve().parent.parent
 RATIOS = {
     "engine decode tokens/s / transformers generate",
     "recording K=20 / engine time",
+    "JSON-mode tokens/s / plain tokens/s, V=5,025",
+    "JSON-mode / plain record bytes per completion token, V=5,025",
+    "JSON-mode tokens/s / plain tokens/s, V=151,669",
+    "JSON-mode / plain record bytes per completion token, V=151,669",
     "lean step / trainer step (speed, same tokens)",
     "Delta write / parquet write (speed)",
     "Delta write / parquet write, from dicts (speed)",
