@@ -73,11 +73,11 @@ class WelchDifference:
 
     def lower_bound(self, confidence: float) -> float:
         """One-sided lower confidence bound d - t_{confidence, nu} * SE (d itself when SE = 0)."""
-        return self.diff - (student_t.ppf(confidence, self.df) * self.se if self.se > 0 else 0.0)
+        return self.diff - (float(student_t.ppf(confidence, self.df)) * self.se if self.se > 0 else 0.0)
 
     def interval(self, confidence: float) -> tuple[float, float]:
         """Two-sided interval d -+ t_{(1+confidence)/2, nu} * SE."""
-        half = student_t.ppf(0.5 + confidence / 2, self.df) * self.se if self.se > 0 else 0.0
+        half = float(student_t.ppf(0.5 + confidence / 2, self.df)) * self.se if self.se > 0 else 0.0
         return self.diff - half, self.diff + half
 
 
