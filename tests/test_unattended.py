@@ -273,7 +273,8 @@ def _print(run: Run, schedule: str) -> None:
 GATE = {"share": 0.5, "min_per_arm": 3, "margin": 3.0}
 """The canary gate on, deciding by its rule as soon as each arm has 3 scored trajectories. Rewards
 are 0 or 1, so the lower bound of the difference is above -3 (t_{0.95, 2} * SE < 2): it promotes
-whatever the tiny random model scores (what it decides on what is tested in test_canary*.py)."""
+whatever the tiny random model scores (its decisions are tested in tests/test_canary_gate.py and
+tests/gateway/test_canary_routing.py)."""
 
 
 def test_two_production_rounds_run_by_themselves_and_account_for_every_call(tmp_path):

@@ -123,7 +123,8 @@ def test_the_follower_reloads_the_live_deployment_when_it_is_re_exported(tmp_pat
         assert follower.check() == "r1"
         assert deployments.current.export == export_of(live) and deployments.current is not first
         assert deployments.ids() == ["r1", "r1"] and deployments.switches == 1  # the old export drains
-        assert deployments.acquire(None, pinned="r1").loaded is deployments.current  # its trajectories move on
+        moved_on = deployments.acquire(None, pinned="r1").loaded
+        assert moved_on is deployments.current  # its trajectories move on
         serving = Serving(GatewayConfig(), deployments, tokenizer, None, SessionIndex(60))
         assert serving.names() == ["r1", "live"]  # what /v1/models lists: the id once
         _register(root, tokenizer, "r2", seed=13)  # another row changes, live's export does not
