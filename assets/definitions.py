@@ -6,6 +6,7 @@ from dagster import Definitions
 
 from assets.advantages import advantages
 from assets.base_model import base_model
+from assets.canary import canary_job, canary_sensor
 from assets.checkpoint import checkpoint
 from assets.checks import CHECKS
 from assets.dead_runs import dead_run_sensor
@@ -34,8 +35,8 @@ interval = settings["sensor"].minimum_interval_seconds
 defs = Definitions(
     assets=[base_model, *ROUND_ASSETS, study_report],
     asset_checks=CHECKS,
-    jobs=[base_job, round_job, maintenance_job, eval_live_job, cleanup_job],
-    sensors=[round_sensor(interval), dead_run_sensor(interval)],
+    jobs=[base_job, round_job, canary_job, maintenance_job, eval_live_job, cleanup_job],
+    sensors=[round_sensor(interval), canary_sensor(interval), dead_run_sensor(interval)],
     schedules=[maintenance_schedule, eval_live_schedule],
     resources={name: settings[name] for name in RESOURCES},
 )

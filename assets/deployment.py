@@ -1,4 +1,5 @@
-"""mu_{k+1}: the round's checkpoint exported (NVFP4), registered, gated, and made live."""
+"""mu_{k+1}: the round's checkpoint exported (NVFP4), registered, gated, and made live (production:
+its canary opened; `assets/canary.py` makes it live if the canary passes)."""
 
 import json
 from dataclasses import asdict
@@ -28,6 +29,7 @@ from prodrl_pipeline.engine.vllm_server import (
 from prodrl_pipeline.evals.gate import NO_EVALUATION, NO_GATE, deploy_gate
 from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.quant.nvfp4 import export_deployment, load_deployment, weight_error
+from prodrl_pipeline.records.canaries import open_canary
 from prodrl_pipeline.records.queries import stored_results
 from prodrl_pipeline.records.registry import lookup, register_deployment, round_id
 from prodrl_pipeline.records.store import DeltaStore
@@ -51,7 +53,8 @@ GOLDEN_CALLS = 8  # recorded calls whose completions the vLLM swap check scores
             asset="deployment",
             blocking=True,
             description="lab: held-out solve rate not worse than live's beyond the margin; "
-            "production: no gate yet (passes without evaluation)",
+            "production: the candidate's canary on live traffic (passes when it opens; canary_job "
+            "records its decision here)",
             partitions_def=rounds,
         )
     ],
@@ -59,8 +62,9 @@ GOLDEN_CALLS = 8  # recorded calls whose completions the vLLM swap check scores
 )
 def deployment(context: AssetExecutionContext, store: StoreResource, lab: LabResource) -> MaterializeResult:
     """Quantize and register the round's checkpoint and make it live only if the deploy gate passes
-    (the lab: it is evaluated on the held-out puzzles against live; production: no gate yet, it
-    passes without evaluation); otherwise live stays and downstream assets are skipped."""
+    (the lab: it is evaluated on the held-out puzzles against live; otherwise live stays and
+    downstream assets are skipped). Production opens the candidate's canary instead (live moves
+    if `canary_job` promotes it), or with the canary off makes it live unevaluated."""
     return each_round(context, store, lab.experiment, lambda key: _deployment_round(context, key, store, lab))
 
 
@@ -134,6 +138,24 @@ def _deployment_round(
         gated_against=live["deployment_id"],
         live=now,
     )
+    canary = lab.canary_gate()
+    if canary and decide(live) and live["deployment_id"] != dep_id:  # it goes live through its canary
+        row = open_canary(
+            tables, deployment_id=dep_id, round_=k, control_id=live["deployment_id"], config=canary
+        )
+        reason = (
+            f"canary {row['canary_id']} open: {dep_id} serves {canary.share:.0%} of new trajectories beside "
+            f"{live['deployment_id']}; canary_job decides once each arm has {canary.min_per_arm} scored "
+            f"trajectories, or rolls back after {canary.max_wait_hours:g} h"
+        )
+        gate_metadata |= {"canary_id": row["canary_id"], "status": "open", "control": live["deployment_id"]}
+        decide = lambda now: False  # noqa: E731 - live moves when the canary is promoted
+    elif canary:
+        reason = (
+            f"no canary: {dep_id} is live already (exported again)"
+            if live["deployment_id"] == dep_id
+            else f"no canary: {dep_id} would not go live (a replay, or live is from a later round)"
+        )
     serving = lab.vllm_url and decide(live)
     if serving:  # the engine serves the new weights before the pointer names them
         golden = list(
@@ -175,9 +197,12 @@ def _gate(
 ) -> tuple[bool, str, dict, dict]:
     """The deploy gate on the `new` deployment row against the `live` one: whether it passes, why,
     the candidate's evaluation (materialization metadata) and the gate's numbers (check metadata).
-    The lab evaluates both on the held-out puzzles; production has no gate yet and passes."""
+    The lab evaluates both on the held-out puzzles; production passes here (its canary, opened by
+    the caller, decides later) or, with the canary off, passes judging nothing."""
     if not lab.evaluated():
-        return True, NO_GATE, {"evaluation": NO_EVALUATION}, {"gate": "off"}
+        canary = lab.canary_gate()
+        numbers = {"gate": "off"} if canary is None else {"gate": "canary", **asdict(canary)}
+        return True, NO_GATE, {"evaluation": NO_EVALUATION}, numbers
     candidate = evaluate_deployment(tables, lab, artifacts, new, new["round"])
     live_rows = stored_results(tables, live["deployment_id"]) or evaluate_deployment(
         tables, lab, artifacts, live, live["round"]

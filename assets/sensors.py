@@ -1,5 +1,6 @@
-"""The round sensor: start the next round when the schedule allows it and, in production, enough
-scored traffic of the live deployment has landed; run a round again whose run died."""
+"""The round sensor: start the next round when the schedule allows it (in production, once the
+previous round's canary is decided) and, in production, enough scored traffic of the live
+deployment has landed; run a round again whose run died."""
 
 from dagster import (
     AddDynamicPartitionsRequest,
@@ -19,7 +20,10 @@ from dagster import (
 from assets.dead_runs import DIED_TAG
 from assets.jobs import round_job
 from assets.partitions import round_key, round_number, rounds
+from prodrl_pipeline.records import canaries
+from prodrl_pipeline.records.registry import round_id
 from prodrl_pipeline.records.snapshot import LANDING, count_available
+from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rounds import DEPLOYED, TRAFFIC_TAKEN, runs_again, start_blocker
 from resources.lab import LabResource
 from resources.store import StoreResource
@@ -40,8 +44,9 @@ def round_sensor(minimum_interval_seconds: int = 30) -> SensorDefinition:
 def next_round(context: SensorEvaluationContext, store: StoreResource, lab: LabResource):
     """Adds partition r(k+1) and requests its run in one result, once `prodrl_pipeline.rounds`
     says round k+1 may start (sync: round k is deployed; async1: round k has taken its traffic and
-    round k-1 is deployed) and, in production, once S*B scored trajectories served by the live
-    deployment and not taken by a round have landed. The cursor is the landing tables' versions
+    round k-1 is deployed; in production "deployed" means its canary is decided too) and, in
+    production, once S*B scored trajectories served by the live deployment and not taken by a
+    round have landed. The cursor is the landing tables' versions
     and live deployment counted (nothing new skips the query); the run key is the partition, so a
     re-evaluated tick never launches twice. Before that, a round whose newest run died
     (`dead_run_sensor` marked it) is run again with that run's config (`rounds.runs_again`; run key
@@ -66,9 +71,9 @@ def next_round(context: SensorEvaluationContext, store: StoreResource, lab: LabR
                 for k in again
             ]
         )
-    if blocker := start_blocker(lab.schedule, latest, done, list(ended)):
-        return SkipReason(blocker)
     tables = store.tables()
+    if blocker := start_blocker(lab.schedule, latest, done, list(ended), _undecided(tables, lab.experiment)):
+        return SkipReason(blocker)
     live = tables.live_deployment()
     if live is None:
         return SkipReason("no live deployment: materialize base_model first")
@@ -96,6 +101,17 @@ def next_round(context: SensorEvaluationContext, store: StoreResource, lab: LabR
         dynamic_partitions_requests=[AddDynamicPartitionsRequest(rounds.name, [nxt])],
         cursor=cursor,
     )
+
+
+def _undecided(tables: DeltaStore, experiment: str) -> set[int]:
+    """The rounds of `experiment` whose newest canary is open."""
+    rows = canaries.canaries(tables) if tables.exists("canaries") else []
+    newest = {r["deployment_id"]: r for r in rows}  # oldest first: the newest of each candidate wins
+    return {
+        r["round"]
+        for r in newest.values()
+        if r["status"] == canaries.OPEN and r["deployment_id"] == round_id(experiment, r["round"])
+    }
 
 
 def _last_run(context: SensorEvaluationContext, key: str) -> DagsterRun | None:

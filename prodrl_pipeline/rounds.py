@@ -27,24 +27,34 @@ DEPLOYED = "deployment"
 
 
 def start_blocker(
-    schedule: Schedule, latest: int, done: Mapping[int, set[str]], failed: Collection[int] = ()
+    schedule: Schedule,
+    latest: int,
+    done: Mapping[int, set[str]],
+    failed: Collection[int] = (),
+    undecided: Collection[int] = (),
 ) -> str | None:
     """Why round `latest`+1 may not start yet (None: it may). `latest` is the newest round started
     (0 when none); `done[k]` holds the per-round assets materialized for round k; `failed` the
     rounds whose newest run failed or was cancelled (a failed round is re-run by hand: no later
-    round starts past it; one whose run died is run again first, `runs_again`)."""
+    round starts past it; one whose run died is run again first, `runs_again`); `undecided` the
+    rounds whose production canary is still open: such a round is not deployed until it is
+    decided (promoted or rolled back)."""
     if latest == 0:
         return None
     stuck = [k for k in (latest - 1, latest) if k in failed and DEPLOYED not in done.get(k, set())]
     if stuck:
         return f"round {stuck[0]}'s last run failed: re-run it (Materialize its partition) to continue"
+
+    def not_deployed(k: int) -> str | None:
+        if DEPLOYED not in done.get(k, set()):
+            return f"round {k} is still in flight" if schedule == "sync" else f"round {k} is not deployed yet"
+        return f"round {k}'s canary is not decided yet" if k in undecided else None
+
     if schedule == "sync":
-        return None if DEPLOYED in done.get(latest, set()) else f"round {latest} is still in flight"
+        return not_deployed(latest)
     if TRAFFIC_TAKEN not in done.get(latest, set()):
         return f"round {latest} has not taken its traffic yet"
-    if latest > 1 and DEPLOYED not in done.get(latest - 1, set()):
-        return f"round {latest - 1} is not deployed yet"
-    return None
+    return not_deployed(latest - 1) if latest > 1 else None
 
 
 MAX_DEATHS = 3

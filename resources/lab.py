@@ -16,6 +16,7 @@ from prodrl_pipeline.engine.rows import check_recording
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.envs.puzzles import Puzzle
+from prodrl_pipeline.evals.canary import CanaryConfig
 from prodrl_pipeline.evals.gate import check_gate_settings
 from prodrl_pipeline.model import TinyQwen3Config, pad_id
 from prodrl_pipeline.quant.nvfp4 import QuantFormat, load_deployment
@@ -36,6 +37,7 @@ def _puzzles(data_dir: str, split: str) -> tuple[Puzzle, ...]:
 
 
 EstimatorSettings = config_class(EstimatorConfig, "EstimatorSettings", __name__)
+CanarySettings = config_class(CanaryConfig, "CanarySettings", __name__)
 
 
 class LabResource(ConfigurableResource):
@@ -43,8 +45,8 @@ class LabResource(ConfigurableResource):
 
     source: Literal["lab", "production"] = "lab"
     """Where a round's trajectories come from: the chess lab, or the capture gateway's landing tables.
-    Production starts from `base_checkpoint` and uses nothing of the lab: no warm start, no held-out
-    evaluation and no deploy gate yet (every candidate is deployed without evaluation)."""
+    Production starts from `base_checkpoint` and uses nothing of the lab: no warm start and no
+    held-out evaluation; its deploy gate is a canary on live traffic (`canary`)."""
     experiment: str = "main"
     """Name of the run; checkpoints and deployments are versioned under it."""
     schedule: Literal["sync", "async1"] = "sync"
@@ -99,6 +101,8 @@ class LabResource(ConfigurableResource):
     """Deploy gate: a candidate may trail the live deployment's held-out solve rate by this much."""
     gate_confidence: float = 0.95
     """Deploy gate: confidence of the one-sided paired test that the drop exceeds the margin."""
+    canary: CanarySettings = CanarySettings()
+    """Production's deploy gate: the candidate's canary on live traffic (evals/canary.py)."""
     mismatch_warn: float = 0.1
     """Mismatch monitor: warn when a round's mean |log pi_k - log mu| exceeds this (nats); fail when it
     also rose over the last 3 rounds (the early warning of collapse the recipe describes)."""
@@ -187,6 +191,7 @@ class LabResource(ConfigurableResource):
                 lambda: check_gate_settings(self.gate_margin, self.gate_confidence),
                 "gate_margin gate_confidence",
             ),
+            "canary": (self.canary_gate, "canary"),
         }
         for what, (build, settings) in derived.items():
             try:
@@ -259,8 +264,21 @@ class LabResource(ConfigurableResource):
 
     def evaluated(self) -> bool:
         """Whether deployments are evaluated on the held-out puzzles and gated on them: in the lab
-        only. Production has no gate yet: its candidates go live without evaluation."""
+        only (production gates on a canary, `canary_gate`)."""
         return self.source == "lab"
+
+    def canary_gate(self) -> CanaryConfig | None:
+        """The production gate's settings when candidates go live through a canary (None: the lab,
+        or the canary is off). A vLLM server swapped in place serves one deployment: refused."""
+        cfg = self.canary.resolve()
+        if self.source != "production" or cfg.type == "off":
+            return None
+        if self.vllm_url:
+            raise ValueError(
+                "a canary serves the candidate beside live; the vLLM server at vllm_url is swapped in "
+                "place and serves one deployment: set canary.type off, or leave vllm_url empty"
+            )
+        return cfg
 
     def puzzles(self, split: Literal["train", "warmup", "heldout"]) -> tuple[Puzzle, ...]:
         return _puzzles(self.data_dir, split)

@@ -27,6 +27,14 @@ def test_sync_starts_a_round_once_the_previous_one_is_deployed():
     assert start_blocker("sync", 2, {2: {"advantages", "deployment"}}) is None
 
 
+def test_a_round_whose_canary_is_open_is_not_deployed_until_it_is_decided():
+    done = {1: {"advantages", "deployment"}, 2: {"advantages", "deployment"}}
+    assert start_blocker("sync", 2, done, undecided=[2]) == "round 2's canary is not decided yet"
+    assert start_blocker("sync", 2, done, undecided=[1]) is None  # an older round's canary: sync waits on k
+    assert start_blocker("async1", 2, done, undecided=[1]) == "round 1's canary is not decided yet"
+    assert start_blocker("async1", 2, done, undecided=[2]) is None  # round 2 trains while its canary runs
+
+
 def test_a_failed_round_stops_later_rounds_until_it_is_re_run():
     done = {1: {"advantages", "deployment"}, 2: {"advantages"}}
     assert "round 2's last run failed" in start_blocker("sync", 2, done, failed=[2])

@@ -1,9 +1,11 @@
-"""Production mode, unattended: the Dagster daemon with `round_sensor` on, the capture gateway
-following the live pointer, and simulated users playing through the real `openai` client. Nobody
-acts: rounds start, train, deploy and go live by themselves, the gateway follows, and the landing
-tables account for every call and reward exactly once."""
+"""Production mode, unattended: the Dagster daemon with `round_sensor` and `canary_sensor` on, the
+capture gateway following the live pointer and the canaries, and simulated users playing through
+the real `openai` client. Nobody acts: rounds start, train, open their canary, are promoted by the
+gate and go live by themselves, the gateway follows, and the landing tables account for every call
+and reward exactly once."""
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -11,6 +13,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from prodrl_pipeline.evals.gate import paired_difference
 from prodrl_pipeline.evals.heldout import evaluate
 from prodrl_pipeline.gateway.process import GatewayProcess
 from prodrl_pipeline.model import build_model
+from prodrl_pipeline.records import canaries
 from prodrl_pipeline.records.registry import lookup
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.warmstart import solved_turns, warm_start
@@ -60,10 +64,21 @@ def _settings(tmp: Path, schedule: str, lab: dict) -> Path:
     return path
 
 
+def _decided(store: DeltaStore, k: int) -> bool:
+    """Whether round `k`'s canary is decided."""
+    row = canaries.of_round(canaries.canaries(store), f"main-r{k:06d}") if store.exists("canaries") else None
+    return row is not None and row["status"] != canaries.OPEN
+
+
 def _wait_for_rounds(
-    instance: DagsterInstance, rounds: int, deadline: float, daemon: subprocess.Popen
+    instance: DagsterInstance,
+    rounds: int,
+    deadline: float,
+    daemon: subprocess.Popen,
+    settled: Callable[[], bool],
 ) -> None:
-    """Until round `rounds` is reported and no run is in flight; fails on a failed run."""
+    """Until round `rounds` is reported and `settled` (its canary decided), and no run is in
+    flight; fails on a failed run."""
     target = f"r{rounds:06d}"
     while True:
         failed = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.FAILURE]))
@@ -73,7 +88,8 @@ def _wait_for_rounds(
                 statuses=[DagsterRunStatus.QUEUED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
             )
         )
-        if target in instance.get_materialized_partitions(AssetKey("eval_report")) and not in_flight:
+        reported = target in instance.get_materialized_partitions(AssetKey("eval_report"))
+        if reported and settled() and not in_flight:
             return
         assert daemon.poll() is None, "the daemon exited"
         assert time.monotonic() < deadline, f"round {target} was not reported in time"
@@ -91,7 +107,9 @@ def run_unattended(
 ) -> Run:
     """Start everything, wait for `rounds` rounds, stop everything; the simulator stops starting
     episodes once the last round has taken its traffic (so no further round can start). `lab` names
-    the `base_checkpoint`, whose tokenizer the gateway serves."""
+    the `base_checkpoint`, whose tokenizer the gateway serves, and the `canary` settings: unless
+    its type is off, the canary sensor runs too and the users play until the last round's canary is
+    decided."""
     t0 = time.monotonic()
     home = tmp / "dagster_home"
     home.mkdir()
@@ -108,8 +126,10 @@ def run_unattended(
         [*DAGSTER, "asset", "materialize", "-m", "assets.definitions", "--select", "base_model"], **quiet
     )
     assert built.returncode == 0, built.stderr[-3000:]
-    started = subprocess.run([*DAGSTER, "sensor", "start", "round_sensor", *location], **quiet)
-    assert started.returncode == 0, started.stderr[-3000:]
+    gated = lab.get("canary", {}).get("type") != "off"
+    for name in ("round_sensor", "canary_sensor") if gated else ("round_sensor",):
+        started = subprocess.run([*DAGSTER, "sensor", "start", name, *location], **quiet)
+        assert started.returncode == 0, started.stderr[-3000:]
 
     store_root = tmp / "store"
     keys = {"PRODRL_API_KEYS": SERVE_KEY, "PRODRL_FEEDBACK_KEYS": FEEDBACK_KEY}
@@ -125,8 +145,17 @@ def run_unattended(
             start_new_session=True,
         )
     instance = DagsterInstance.from_config(str(home))
-    last_taken = AssetKey("trajectories")
-    stop = lambda: f"r{rounds:06d}" in instance.get_materialized_partitions(last_taken)  # noqa: E731
+    last_taken, target = AssetKey("trajectories"), f"r{rounds:06d}"
+    tables = DeltaStore(store_root / "tables")
+
+    def settled() -> bool:
+        return not gated or _decided(tables, rounds)
+
+    def stop() -> bool:  # the last round's canary needs traffic of both arms
+        return (
+            _decided(tables, rounds) if gated else target in instance.get_materialized_partitions(last_taken)
+        )
+
     puzzles = list(iter_lab_puzzles(REPO / "data", "train"))
     cfg = SimulationConfig(
         users=users,
@@ -144,7 +173,7 @@ def run_unattended(
     )
     simulator.start()
     try:
-        _wait_for_rounds(instance, rounds, t0 + timeout, daemon)
+        _wait_for_rounds(instance, rounds, t0 + timeout, daemon, settled)
         simulator.join(timeout=120)
         assert "report" in result, "the simulator did not finish"
         live = DeltaStore(store_root / "tables").live_deployment()["deployment_id"]
@@ -245,12 +274,27 @@ def _print(run: Run, schedule: str) -> None:
         print("  " + ", ".join(f"{k}: {v}" for k, v in row.items()))
 
 
+GATE = {"share": 0.5, "min_per_arm": 3, "margin": 3.0}
+"""The canary gate on, deciding by its rule as soon as each arm has 3 scored trajectories. Rewards
+are 0 or 1, so the lower bound of the difference is above -3 (t_{0.95, 2} * SE < 2): it promotes
+whatever the tiny random model scores (its decisions are tested in tests/test_canary_gate.py and
+tests/gateway/test_canary_routing.py)."""
+
+
 def test_two_production_rounds_run_by_themselves_and_account_for_every_call(tmp_path):
     base = user_checkpoint(tmp_path / "model", load_tokenizer(REPO / "data" / "tokenizer"))
     run = run_unattended(
-        tmp_path, rounds=2, **{**TINY, "steps": 2, "batch_size": 4}, base_checkpoint=str(base)
+        tmp_path, rounds=2, **{**TINY, "steps": 2, "batch_size": 4}, base_checkpoint=str(base), canary=GATE
     )
     _account(run, 2)
+    decided = {r["deployment_id"]: r for r in canaries.canaries(run.store)}
+    for candidate in ("main-r000001", "main-r000002"):  # each promoted by the rule on both arms' rewards
+        row = decided[candidate]
+        numbers = json.loads(row["verdict_json"])
+        assert (row["status"], row["decided_by"]) == (canaries.PROMOTED, canaries.BY_RULE)
+        assert min(numbers["n_candidate"], numbers["n_control"]) >= GATE["min_per_arm"]
+    arms = Counter((c["deployment_id"], c["arm"]) for c in run.store.read("landing_calls").to_pylist())
+    assert arms[("main-r000001", "candidate")] and arms[("base", "control")]  # the canary's traffic
     _print(run, "sync")
     served = [r["traffic served by"] for r in run.rows]
     assert served == ["base", "main-r000001"]  # live moved after round 1, the gateway followed
@@ -281,6 +325,7 @@ def test_a_longer_unattended_async_run_raises_the_heldout_rate_on_simulated_traf
         steps=steps,
         batch_size=32,
         base_checkpoint=str(base),
+        canary={"type": "off"},  # every round goes live: the test measures learning, not the gate
     )
     _account(run, 4)
     _print(run, "async1")

@@ -1,4 +1,5 @@
-"""The deploy gate: does a candidate deployment evaluate worse than the live one beyond a margin?
+"""The lab's deploy gate: does a candidate deployment evaluate worse than the live one beyond a
+margin? (Production gates on live traffic instead: `evals/canary.py`.)
 
 Both are scored on the same held-out puzzles, so the test is paired: d_i = solved_candidate_i -
 solved_live_i, mean d, standard error s_d / sqrt(n). The gate fails when the evidence of a drop
@@ -13,11 +14,11 @@ import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
-NO_GATE = "no production gate yet: the candidate is deployed without evaluation"
-"""The deploy gate's verdict in production mode: it passes, judging nothing (the lab's held-out
-puzzles are not a production deployment's task; a gate on live traffic is still to be built)."""
-NO_EVALUATION = "none in production mode: there is no production gate yet, deployments go live unevaluated"
-"""What production mode reports where the lab reports held-out solve rates."""
+NO_GATE = "production gate off (canary type off): the candidate is deployed without evaluation"
+"""The deploy gate's verdict in production mode with the canary off: it passes, judging nothing."""
+NO_EVALUATION = "none offline in production mode: the lab's held-out puzzles are not a deployment's task"
+"""What production mode reports where the lab reports held-out solve rates (its candidates are
+judged by their canary on live traffic, `evals/canary.py`)."""
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ def create_app(serving: Serving) -> FastAPI:
         return {
             "status": "ok",
             "deployment_id": deployments.current.deployment_id,
+            "canary": deployments.canary and deployments.canary.canary_id,
             "draining": deployments.draining(),
             "follow_error": deployments.last_error,
             "pending_records": landing.pending if landing else 0,

@@ -118,12 +118,15 @@ class Serving:
 
     @contextlib.contextmanager
     def leased(self, tid: str, model: str | None) -> Iterator[Loaded]:
-        """The deployment serving this call (docs: gateway.md), held open until the block ends:
-        end it once the call is submitted to the deployment's engine."""
+        """The deployment serving this call (docs: gateway.md; a new trajectory's first call may be
+        routed by a canary), held open until the block ends: end it once the call is submitted to
+        the deployment's engine."""
         pinned = self.sessions.pinned(tid)
-        loaded = self.deployments.acquire(None if model in self.cfg.model_aliases else model, pinned)
+        named = None if model in self.cfg.model_aliases else model
+        route = self.deployments.acquire(named, pinned, tid if pinned is None else None)
+        loaded = route.loaded
         try:
-            self.sessions.pin(tid, loaded.deployment_id)
+            self.sessions.pin(tid, loaded.deployment_id, route.arm)
             self.metrics.moved += pinned is not None and pinned != loaded.deployment_id
             yield loaded
         finally:
@@ -223,6 +226,7 @@ class Serving:
             self.metrics.prefix["extends" if extends else "breaks"] += 1
         if not (self.landing and self.cfg.record):
             return
+        arm = self.sessions.arm(tid, dep.deployment_id)
         await asyncio.to_thread(
             self.landing.append,
             "call",
@@ -231,6 +235,8 @@ class Serving:
                 "trajectory_id": tid,
                 "call_index": index,
                 "deployment_id": dep.deployment_id,
+                "canary_id": arm and arm.canary_id,
+                "arm": arm and arm.name,
                 "prompt_token_ids": prompt_ids,
                 "completion_token_ids": c.token_ids,
                 "completion_logprobs": c.logprobs,

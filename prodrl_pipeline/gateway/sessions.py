@@ -13,6 +13,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Literal
 
+from prodrl_pipeline.gateway.deployments import Arm
 from prodrl_pipeline.records.store import DeltaStore
 
 EXPIRED_TABLE = "landing_trajectories"  # `rejects.table_name` of trajectories expired unscored
@@ -28,6 +29,8 @@ class Session:
     """Length and digest of the last call's prompt + completion ids (this process's calls only)."""
     deployment: str | None = None
     """The deployment this process routed the trajectory's first call to."""
+    arm: Arm | None = None
+    """The canary arm that first call was routed to (None: no canary routed it)."""
 
 
 def _digest(ids: list[int]) -> bytes:
@@ -83,11 +86,19 @@ class SessionIndex:
             s = self._sessions.get(trajectory_id)
             return s.deployment if s else None
 
-    def pin(self, trajectory_id: str, deployment_id: str) -> None:
-        """Remember the deployment of the trajectory's first call (later calls keep the first)."""
+    def pin(self, trajectory_id: str, deployment_id: str, arm: Arm | None = None) -> None:
+        """Remember the deployment and canary arm of the trajectory's first call (later calls keep
+        the first's)."""
         with self._lock:
             s = self._sessions.setdefault(trajectory_id, Session())
-            s.deployment = s.deployment or deployment_id
+            if s.deployment is None:
+                s.deployment, s.arm = deployment_id, arm
+
+    def arm(self, trajectory_id: str, deployment_id: str) -> Arm | None:
+        """The trajectory's canary arm, if `deployment_id` (the call's) is the one it was routed to."""
+        with self._lock:
+            s = self._sessions.get(trajectory_id)
+            return s.arm if s and s.deployment == deployment_id else None
 
     def follow(self, trajectory_id: str, prompt_ids: list[int], completion_ids: list[int]) -> bool | None:
         """Does this call's prompt extend the trajectory's previous call's prompt + completion

@@ -5,6 +5,7 @@ SQL files take `{name}` parameters; only integers and validated ids are substitu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,12 +15,19 @@ from prodrl_pipeline.records.store import SAFE_ID, DeltaStore
 SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
 
 
-def run_sql(store: DeltaStore, name: str, tables: list[str], **params: int | str) -> pa.Table:
+def run_sql(
+    store: DeltaStore,
+    name: str,
+    tables: list[str],
+    versions: Mapping[str, int] | None = None,
+    **params: int | str,
+) -> pa.Table:
+    """`sql/<name>.sql` with `params` over `tables` (at their `versions`, else the latest)."""
     for key, value in params.items():
         if isinstance(value, str) and not SAFE_ID.fullmatch(value):
             raise ValueError(f"SQL parameter {key}={value!r} must match {SAFE_ID.pattern}")
     sql = (SQL_DIR / f"{name}.sql").read_text().format(**params)
-    return store.query(sql, tables)
+    return store.query(sql, tables, versions)
 
 
 def compute_advantages(store: DeltaStore, round_: int, batch_size: int, steps: int, seed: int) -> pa.Table:

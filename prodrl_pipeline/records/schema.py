@@ -44,6 +44,10 @@ CALLS = pa.schema(
         ("call_index", pa.int32()),
         ("round", pa.int64()),
         ("deployment_id", pa.string()),
+        # the canary that routed the call's trajectory (null outside one) and its arm there:
+        # candidate or control (docs/gateway.md, "Canaries")
+        ("canary_id", pa.string()),
+        ("arm", pa.string()),
         ("prompt_token_ids", IDS),
         ("completion_token_ids", IDS),
         # log mu(a_t|h_t) of each sampled id under the processed (actually sampled) distribution
@@ -158,6 +162,24 @@ DEPLOYMENTS = pa.schema(
     ]
 )
 
+# The production gate's canaries (records/canaries.py): one row per canary, its decision once made.
+CANARIES = pa.schema(
+    [
+        ("canary_id", pa.string()),
+        ("deployment_id", pa.string()),  # the candidate
+        ("round", pa.int64()),
+        ("control_id", pa.string()),  # the live deployment it is compared with
+        ("share", pa.float64()),
+        ("config_json", pa.string()),  # the gate's settings (evals/canary.py CanaryConfig)
+        ("opened_at", TS),
+        ("status", pa.string()),  # open | promoted | rolled_back
+        ("decided_at", TS),
+        ("decided_by", pa.string()),  # "rule", or the operator who overrode it
+        ("reason", pa.string()),
+        ("verdict_json", pa.string()),  # what the gate measured
+    ]
+)
+
 EVAL_RESULTS = pa.schema(
     [
         ("round", pa.int64()),
@@ -202,6 +224,7 @@ TABLES: dict[str, pa.Schema] = {
     "policy_logprobs": POLICY_LOGPROBS,
     "checkpoints": CHECKPOINTS,
     "deployments": DEPLOYMENTS,
+    "canaries": CANARIES,
     "eval_results": EVAL_RESULTS,
     "rejects": REJECTS,
     "landing_calls": LANDING_CALLS,

@@ -69,9 +69,9 @@ def test_the_follower_loads_beside_switches_drains_and_survives_a_failed_load(tm
         t1 = time.monotonic()  # base drains from its last switch (loads before it take real time)
         assert deployments.switches == 3 and deployments.load_failures == 0
 
-        old_trajectory = deployments.acquire(None, pinned="base")
-        new_trajectory = deployments.acquire(None, pinned=None)
-        named = deployments.acquire("base", pinned="r1")
+        old_trajectory = deployments.acquire(None, pinned="base").loaded
+        new_trajectory = deployments.acquire(None, pinned=None).loaded
+        named = deployments.acquire("base", pinned="r1").loaded
         assert (old_trajectory.deployment_id, new_trajectory.deployment_id, named.deployment_id) == (
             "base",
             "r1",
@@ -83,7 +83,7 @@ def test_the_follower_loads_beside_switches_drains_and_survives_a_failed_load(tm
         assert deployments.retire(t1 + 11) == []  # drained, but a call still holds it
         deployments.release(old_trajectory)
         assert deployments.retire(t1 + 11) == ["base"]
-        assert deployments.acquire(None, pinned="base").deployment_id == "r1"  # base is gone
+        assert deployments.acquire(None, pinned="base").loaded.deployment_id == "r1"  # base is gone
 
         _register(root, tokenizer, "broken", seed=12, broken=True)
         store.set_live("broken")
@@ -123,7 +123,8 @@ def test_the_follower_reloads_the_live_deployment_when_it_is_re_exported(tmp_pat
         assert follower.check() == "r1"
         assert deployments.current.export == export_of(live) and deployments.current is not first
         assert deployments.ids() == ["r1", "r1"] and deployments.switches == 1  # the old export drains
-        assert deployments.acquire(None, pinned="r1") is deployments.current  # its trajectories move on
+        moved_on = deployments.acquire(None, pinned="r1").loaded
+        assert moved_on is deployments.current  # its trajectories move on
         serving = Serving(GatewayConfig(), deployments, tokenizer, None, SessionIndex(60))
         assert serving.names() == ["r1", "live"]  # what /v1/models lists: the id once
         _register(root, tokenizer, "r2", seed=13)  # another row changes, live's export does not

@@ -1,5 +1,5 @@
 """Production path: a model of the deployment's own (no lab in it) -> gateway traffic + late rewards
--> the `trajectories` asset's snapshot -> a round, deployed with no gate yet."""
+-> the `trajectories` asset's snapshot -> a round, whose candidate opens its canary."""
 
 import httpx
 from dagster import AssetKey, instance_for_test, materialize
@@ -8,7 +8,8 @@ from transformers import PreTrainedTokenizerFast
 
 from assets.base_model import base_model
 from assets.partitions import round_key
-from prodrl_pipeline.evals.gate import NO_EVALUATION, NO_GATE
+from prodrl_pipeline.evals.gate import NO_EVALUATION
+from prodrl_pipeline.records import canaries
 from prodrl_pipeline.records.store import DeltaStore
 from tests.gateway.conftest import FEEDBACK_KEY, SERVE_KEY, Gateway
 from tests.test_pipeline import ASSETS, ROUND, _resources, user_checkpoint
@@ -46,8 +47,8 @@ def _metadata(instance, asset: str) -> dict:
 
 def test_a_round_trains_on_recorded_production_traffic(tmp_path, monkeypatch):
     """The base is a checkpoint whose tokenizer has neither `<tool_call>` nor a pad token: it is
-    deployed and served, and a round trains on its traffic and deploys with the gate off, without
-    reading a puzzle or evaluating anything."""
+    deployed and served, and a round trains on its traffic and opens its candidate's canary against
+    live, without reading a puzzle or evaluating anything offline."""
     tok = plain_tokenizer()
     assert tok.pad_token_id is None and "<tool_call>" not in tok.get_vocab()
     model = user_checkpoint(tmp_path / "model", tok)
@@ -88,10 +89,12 @@ def test_a_round_trains_on_recorded_production_traffic(tmp_path, monkeypatch):
         )
         assert result.success
         (gate,) = [e for e in result.get_asset_check_evaluations() if e.check_name == "deploy_gate"]
-        assert gate.passed and gate.description == NO_GATE
-        assert gate.metadata["gate"].value == "off"
+        assert gate.passed and gate.description.startswith(
+            "canary main-r000001.1 open: main-r000001 serves 25% of new trajectories beside base"
+        )
+        assert gate.metadata["gate"].value == "canary" and gate.metadata["min_per_arm"].value == 1000
         deployed, report = _metadata(instance, "deployment"), _metadata(instance, "eval_report")
-        assert deployed["moved_live"].value and deployed["evaluation"].value == NO_EVALUATION
+        assert not deployed["moved_live"].value and deployed["evaluation"].value == NO_EVALUATION
         assert report["evaluation"].value == NO_EVALUATION
         assert not [k for k in (*deployed, *report) if any(word in k for word in CHESS)]
         assert not any(word in report["rounds"].value for word in CHESS)  # the per-round table
@@ -138,4 +141,5 @@ def test_a_round_trains_on_recorded_production_traffic(tmp_path, monkeypatch):
             AssetKey("trajectories")
         ).asset_materialization.metadata
         assert {t: meta[f"{t}_version"].value for t in pinned} == pinned
-        assert tables.live_deployment()["deployment_id"] == "main-r000001"
+        assert tables.live_deployment()["deployment_id"] == "base"  # until the canary is promoted
+        assert canaries.of_round(canaries.canaries(tables), "main-r000001")["status"] == canaries.OPEN

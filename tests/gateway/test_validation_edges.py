@@ -354,6 +354,8 @@ def test_a_served_call_is_recorded_field_by_field_and_its_prefix_continuity_coun
             "trajectory_id": tid,
             "call_index": index[call],
             "deployment_id": "dep-1",
+            "canary_id": None,  # no canary routed it
+            "arm": None,
             "prompt_token_ids": prompt,
             "completion_token_ids": [5, 6],
             "completion_logprobs": [-0.5, -0.25],

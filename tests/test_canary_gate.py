@@ -1,0 +1,133 @@
+"""The production gate's decision on a real Dagster instance over real Delta tables: rewards that
+come late keep the gate waiting, then the test decides; rewards that never come roll the candidate
+back at the maximum wait; an operator's override from `canary_job`'s config is recorded with who and
+why; the round sensor waits for the decision."""
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from dagster import (
+    AssetMaterialization,
+    Failure,
+    build_sensor_context,
+    instance_for_test,
+    materialize,
+)
+
+from assets.base_model import base_model
+from assets.canary import canary_job, canary_sensor
+from assets.sensors import round_sensor
+from prodrl_pipeline.evals.canary import CanaryConfig
+from prodrl_pipeline.gateway.deployments import candidate_arm
+from prodrl_pipeline.records import canaries
+from prodrl_pipeline.records.registry import register_deployment
+from tests.test_pipeline import _resources
+from tests.test_sensor import _call, _feedback
+
+GATE = CanaryConfig(share=0.5, margin=0.3, confidence=0.95, min_per_arm=4, max_wait_hours=1.0)
+
+
+def _canary_traffic(tables, canary: dict, n: int) -> list[str]:
+    """`n` single-call trajectories routed by `canary` as the gateway routes them (unscored)."""
+    tids = [f"{canary['canary_id']}-t{i}" for i in range(n)]
+    rows = []
+    for tid in tids:
+        to_candidate = candidate_arm(canary["canary_id"], tid, canary["share"])
+        row = _call(tid, canary["deployment_id"] if to_candidate else canary["control_id"])
+        rows.append(
+            {**row, "canary_id": canary["canary_id"], "arm": "candidate" if to_candidate else "control"}
+        )
+    tables.append("landing_calls", rows)
+    return tids
+
+
+def _open(tables, k: int) -> dict:
+    register_deployment(
+        tables,
+        deployment_id=f"main-r{k:06d}",
+        round_=k,
+        checkpoint_id=f"main-r{k:06d}",
+        path="unused",
+        quant_format="none",
+        sampling_json="{}",
+    )
+    return canaries.open_canary(
+        tables, deployment_id=f"main-r{k:06d}", round_=k, control_id="base", config=GATE
+    )
+
+
+def _tick(instance, resources):
+    with build_sensor_context(instance=instance, resources=resources) as ctx:
+        return canary_sensor()(ctx)
+
+
+def _run(instance, resources, **config):
+    result = canary_job.execute_in_process(
+        {"ops": {"decide_canary": {"config": config}}}, instance=instance, resources=resources
+    )
+    return result.get_asset_check_evaluations()
+
+
+def test_late_rewards_keep_the_gate_waiting_and_missing_ones_roll_back_at_the_maximum_wait(tmp_path):
+    resources = _resources(tmp_path, source="production")
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        late = _open(tables, 1)
+        tids = _canary_traffic(tables, late, 40)
+        assert "waiting: 0 candidate / 0 control" in _tick(instance, resources).skip_message
+        assert _run(instance, resources, round=1) == []  # launched early by hand: nothing decided
+        assert tables.live_deployment()["deployment_id"] == "base"
+        tables.append("landing_feedback", [_feedback(t) for t in tids])  # the rewards come, late
+        request = _tick(instance, resources)
+        assert request.run_key == late["canary_id"]
+        (check,) = _run(instance, resources, **request.run_config["ops"]["decide_canary"]["config"])
+        assert check.passed and check.description.startswith("promoted")  # all rewards 1: equal arms
+        assert tables.live_deployment()["deployment_id"] == "main-r000001"
+
+        never = _open(tables, 2)  # against base, as if round 2 was trained before the promotion
+        _canary_traffic(tables, never, 40)
+        assert "waiting" in _tick(instance, resources).skip_message
+        row = canaries.of_round(canaries.canaries(tables), "main-r000002")
+        two_hours_ago = datetime.now(UTC) - timedelta(hours=2)  # the canary opened past its max wait
+        tables.overwrite(
+            "canaries", [{**row, "opened_at": two_hours_ago}], f"canary_id = '{row['canary_id']}'"
+        )
+        (check,) = _run(instance, resources, round=2)
+        assert not check.passed and "of 4 per arm after 2.00 h (max_wait_hours 1)" in check.description
+        assert check.metadata["n_candidate"].value == 0 and "lower_bound" not in check.metadata
+        assert tables.live_deployment()["deployment_id"] == "main-r000001"  # live unchanged
+        assert isinstance(_tick(instance, resources).skip_message, str)  # nothing open: nothing requested
+
+
+def test_an_operator_overrides_the_gate_from_the_job_config_and_the_next_round_waits_for_it(tmp_path):
+    resources = _resources(tmp_path, source="production", steps=1, batch_size=2)
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        canary = _open(tables, 1)
+        instance.add_dynamic_partitions("rounds", ["r000001"])
+        for asset in ("advantages", "deployment"):  # round 1 deployed: its canary opened
+            instance.report_runless_asset_event(AssetMaterialization(asset, partition="r000001"))
+        tids = _canary_traffic(tables, canary, 6)
+        tables.append("landing_feedback", [_feedback(t) for t in tids])
+        with build_sensor_context(instance=instance, resources=resources) as ctx:
+            assert round_sensor()(ctx).skip_message == "round 1's canary is not decided yet"
+
+        with pytest.raises(Failure, match="names its operator and its reason"):
+            _run(instance, resources, round=1, decision="promote", operator="alice")
+        (check,) = _run(
+            instance, resources, round=1, decision="roll_back", operator="alice", reason="support tickets up"
+        )
+        assert not check.passed
+        assert check.description.startswith("roll_back by alice: support tickets up (the rule: waiting")
+        assert check.metadata["decided_by"].value == "alice"
+        row = canaries.of_round(canaries.canaries(tables), "main-r000001")
+        assert (row["status"], row["decided_by"]) == (canaries.ROLLED_BACK, "alice")
+        assert json.loads(row["verdict_json"])["decision"] == "wait"  # what the rule said, kept
+        assert tables.live_deployment()["deployment_id"] == "base"
+        with pytest.raises(Failure, match="was decided already: rolled_back by alice"):
+            _run(instance, resources, round=1, decision="promote", operator="bob", reason="changed my mind")
+        with build_sensor_context(instance=instance, resources=resources) as ctx:
+            assert round_sensor()(ctx).run_requests[0].partition_key == "r000002"  # decided: round 2 starts
