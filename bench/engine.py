@@ -43,6 +43,7 @@ from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.model import TinyQwen3Config, build_model
+from prodrl_pipeline.records.support import Form, Support
 
 
 def _engine_tokens(engine: TorchEngine, prompts: list[list[int]], new_tokens: int) -> int:
@@ -51,13 +52,16 @@ def _engine_tokens(engine: TorchEngine, prompts: list[list[int]], new_tokens: in
     return sum(len(c.token_ids) for c in done)
 
 
+NOTHING_KEPT = Support(0, Form.VOCABULARY)  # the stub records no support (a size no reader sees)
+
+
 def _ids_only(batch: Rows, logp, sampled, extra) -> list[int]:  # noqa: ANN001
     """`Rows.record_sampled` with the recording stubbed out: each live row keeps its id alone (the
     other fields one shared empty array: nothing allocated)."""
     toks = sampled.tolist()
     for i, tok in enumerate(toks):
         if not batch.done[i]:
-            batch.append(i, tok, 0.0, NO_IDS, NO_IDS, 0, NO_IDS, NO_IDS)
+            batch.append(i, tok, 0.0, NO_IDS, NO_IDS, NOTHING_KEPT, NO_IDS)
     return toks
 
 

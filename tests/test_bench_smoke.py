@@ -26,6 +26,11 @@ RATIOS = {
     "Dagster / lab round",
     "score centering (head, K=20) step / reinforce step",
     "peak memory, chunked log-probs / naive",
+    *(
+        f"bytes per completion token, {sampling}, V = {vocab}"
+        for sampling in ("plain", "top-p 0.9")
+        for vocab in ("5,025", "151,669")
+    ),
 }
 
 

@@ -1,7 +1,8 @@
 """One production round per real model family: a tiny random model of the family's vocabulary,
 handed over as an HF checkpoint with the family's own tokenizer and template, becomes the base
 deployment; the gateway serves it; a round trains on its recorded traffic and deploys; the gateway
-follows the new deployment and serves it, every prompt recorded as the family renders the request."""
+follows the new deployment and serves it, every prompt recorded as the family renders the request.
+The canary is off here (tests/gateway/test_canary_routing.py runs it)."""
 
 import httpx
 import pytest
@@ -11,6 +12,7 @@ from assets.base_model import base_model
 from assets.partitions import round_key
 from prodrl_pipeline.chat.harmony import HarmonyChat
 from prodrl_pipeline.records.store import DeltaStore
+from resources.lab import CanarySettings
 from tests.families import FAMILIES, WEATHER, family_tokenizer
 from tests.gateway.conftest import FEEDBACK_KEY, SERVE_KEY, Gateway
 from tests.gateway.test_families import WITH_TOOLS, _reference
@@ -24,7 +26,14 @@ SERVE, FEEDBACK = {"Authorization": f"Bearer {SERVE_KEY}"}, {"Authorization": f"
 def test_a_production_round_deploys_and_the_gateway_follows_it(family, tmp_path):
     tok = family_tokenizer(family)
     model = user_checkpoint(tmp_path / "model", tok)
-    resources = _resources(tmp_path, source="production", base_checkpoint=str(model), steps=1, batch_size=4)
+    resources = _resources(
+        tmp_path,
+        source="production",
+        base_checkpoint=str(model),
+        steps=1,
+        batch_size=4,
+        canary=CanarySettings(type="off"),  # the candidate goes live at once: the gate is tested elsewhere
+    )
     prompt_ids = HarmonyChat(tok).prompt_ids if family == "gptoss" else lambda m, t: _reference(tok, m, t)
     sent: dict[str, tuple[list[dict], list | None]] = {}
 
