@@ -197,9 +197,9 @@ class HarmonyChat:
         self.tokenizer, self.enc = tokenizer, encoding(tokenizer)
         self.stop_ids = frozenset(self.enc.stop_tokens_for_assistant_actions())  # <|return|>, <|call|>
 
-    def stream_hold(self, parse_calls: bool) -> str:  # noqa: ARG002
+    def stream_hold(self, parse_calls: bool) -> tuple[str, ...]:  # noqa: ARG002
         """Streamed text is held from the first <|channel|>: the parsed message is sent whole."""
-        return "<|channel|>"
+        return ("<|channel|>",)
 
     def prompt_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
         conversation = Conversation.from_messages(harmony_messages(messages, tools))

@@ -30,6 +30,8 @@ from prodrl_pipeline.chat.render import (
 )
 
 PROBE_CONTENT = "probe content"
+MAX_NAME = 64  # OpenAI's longest function name
+_DECODER = json.JSONDecoder()
 PROBE_TOOL = {
     "type": "function",
     "function": {"name": PROBE_NAME, "description": "d", "parameters": {"type": "object", "properties": {}}},
@@ -96,23 +98,38 @@ class ToolCallFormat:
         return message
 
     def _call(self, text: str, i: int, call_id: str) -> tuple[int, dict | None]:
-        """The call starting at `i` and where it ends: the first end of the format's closing text
-        after which the call matches with JSON arguments (Llama 3's closing `}` also closes nested
-        objects), else the first at which it matches, else the first closing (a marker's call with
-        its raw text) or, without a marker, no call (where to look on)."""
-        end = self.after_arguments.strip()
+        """The call starting at `i` and where it ends. With a marker it runs to the first closing
+        text; one that does not match the format keeps its raw text (after `_json_call` tried other
+        spacing). Without one, `_bare_call`."""
         opened = i + len(self.call_start)
-        stops = [m.end() for m in re.finditer(re.escape(end), text[opened:])] if end else []
-        stops = [opened + s for s in stops] or [len(text)]
-        matches = [(stop, m) for stop in stops if (m := self._pattern.fullmatch(text, i, stop))]
-        if matches:
-            stop, match = next(((s, m) for s, m in matches if _is_json(m["arguments"])), matches[0])
-            return stop, _message_call(call_id, match["name"], match["arguments"])
         if self.open_marker is None:
-            return opened, None
-        raw = text[i : stops[0]]
+            return self._bare_call(text, opened, call_id)
+        end = self.after_arguments.strip()
+        j = text.find(end, opened) if end else -1
+        stop = j + len(end) if j >= 0 else len(text)
+        if match := self._pattern.fullmatch(text, i, stop):
+            return stop, _message_call(call_id, match["name"], match["arguments"])
+        raw = text[i:stop]
         name, arguments = _json_call(raw.removeprefix(self.open_marker), self) or ("", raw)
-        return stops[0], _message_call(call_id, name, arguments)
+        return stop, _message_call(call_id, name, arguments)
+
+    def _bare_call(self, text: str, opened: int, call_id: str) -> tuple[int, dict | None]:
+        """A call with no marker (Llama 3's `{"name": ..., "parameters": {...}}`): a name of at most
+        MAX_NAME characters, the format's text, arguments that are one whole JSON value (read by the
+        JSON decoder, so a nested `}` stays inside and the work is linear), then the closing text.
+        Anything else is no call: (where to look on, None)."""
+        j = text.find(self.between, opened, opened + MAX_NAME + len(self.between))
+        start = j + len(self.between)
+        if j <= opened or any(c in text[opened:j] for c in '"\\\n'):
+            return opened, None
+        try:
+            _, end = _DECODER.raw_decode(text, start)
+        except (json.JSONDecodeError, RecursionError):
+            return opened, None
+        close = self.after_arguments.strip()
+        if not text.startswith(close, end):
+            return opened, None
+        return end + len(close), _message_call(call_id, text[opened:j], text[start:end])
 
     @property
     def _pattern(self) -> re.Pattern:
@@ -124,14 +141,6 @@ def _call_pattern(before_name: str, between: str, after_arguments: str) -> re.Pa
     body = re.escape(before_name.strip()) + r"(?P<name>.*?)" + re.escape(between)
     body += r"(?P<arguments>.*)" + re.escape(after_arguments.strip())
     return re.compile(r"\s*" + body + r"\s*", flags=re.S)
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    return True
 
 
 def _message_call(call_id: str, name: str, arguments: str) -> dict:

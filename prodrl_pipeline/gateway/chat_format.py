@@ -30,9 +30,13 @@ class TemplateChat:
         self.calls = tool_call_format(tokenizer)
         self.serves_tools = self.calls is not None
 
-    def stream_hold(self, parse_calls: bool) -> str | None:
-        """The text a streamed reply is held back from (where the family's calls start), if any."""
-        return self.calls.call_start if parse_calls and self.calls else None
+    def stream_hold(self, parse_calls: bool) -> tuple[str, ...]:
+        """The texts a streamed reply is held back from: where the family's calls start, with the
+        separator that parsed content drops before one (what is shown stays a prefix of it)."""
+        if not (parse_calls and self.calls):
+            return ()
+        start, separator = self.calls.call_start, self.calls.separator
+        return (separator + start, start) if separator else (start,)
 
     def prompt_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
         return render_ids(self.tokenizer, messages, tools=tools)

@@ -142,13 +142,13 @@ async def chat_stream(
     end: Callable[[], Awaitable[Ending]],
     abandon: Callable[[], None],
     stops: Sequence[str] | None = None,
-    call_start: str | None = None,
+    call_starts: Sequence[str] = (),
 ) -> AsyncIterator[str]:
     """Server-sent events of a chat completion as its tokens arrive (`tokens`: (n, id) for the
     n-th completion token, then None; a repeated n is ignored; the tokens taken together make one
-    chunk). Content deltas follow the decoded text up to a stop string or `call_start` (the text a
-    tool call opens with), holding back an end that may still become one (`held`); from there on,
-    text waits for the end. `end()` gives the final
+    chunk). Content deltas follow the decoded text up to a stop string or one of `call_starts` (the
+    texts a tool call opens with), holding back an end that may still become one (`held`); from
+    there on, text waits for the end. `end()` gives the final
     message (and fills `head`'s token ids); what it adds to the streamed text, the tool calls, the
     finish reason and the usage follow, then [DONE]. A stream closed early (the client left) calls
     `abandon()`; an engine error ends the stream with an error event."""
@@ -163,7 +163,7 @@ async def chat_stream(
         choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason}] if delta is not None else []
         return f"data: {json.dumps({**body, 'choices': choices, **extra})}\n\n"
 
-    holds = [*(stops or ()), *([call_start] if call_start else [])]
+    holds = [*(stops or ()), *call_starts]
     try:
         yield chunk({"role": "assistant", "content": ""}, prodrl=head)
         text, seen, shown, quiet, over = IncrementalText(tokenizer), 0, "", False, False

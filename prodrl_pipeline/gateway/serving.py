@@ -355,7 +355,7 @@ class Serving:
             end,
             abandon,
             stops=req.stop,
-            call_start=self.chat.stream_hold(parse_calls),
+            call_starts=self.chat.stream_hold(parse_calls),
         )
 
 

@@ -1,8 +1,12 @@
 """A family's tool-call format read off its template: replies parsed so that, re-sent as history, they
 render as they were generated."""
 
+from types import SimpleNamespace
+from unittest.mock import patch
+
+from prodrl_pipeline.chat import tool_calls
 from prodrl_pipeline.chat.render import render_ids
-from prodrl_pipeline.chat.tool_calls import call_ids, tool_call_format
+from prodrl_pipeline.chat.tool_calls import _DECODER, call_ids, tool_call_format
 from tests.families import family_tokenizer
 
 
@@ -55,3 +59,37 @@ def test_a_llama3_call_is_bare_json_whose_nested_braces_stay_inside_it():
     assert tok.decode(forced) == the_call + "<|eot_id|>"
     assert fmt.parse(tok.decode(forced[:-1]))["tool_calls"][0]["function"] == call["function"]
     assert render_ids(tok, history, add_generation_prompt=False)[-len(forced) :] == list(forced)
+
+
+def test_bare_json_that_is_not_a_whole_call_stays_content():
+    """A call cut short (max_tokens), JSON that only has "name" and "parameters" keys among others,
+    or a name that is not a plain name, is no call: the text stays content, whole."""
+    fmt = tool_call_format(family_tokenizer("llama3_2"))
+    for text in (
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}',
+        'Result: {"name": "Ann", "parameters": {"age": 3}, "x": [1]}',
+        '{"name": "a\\"b", "parameters": {}}',
+        '{"name": "get_weather", "parameters":  {}}',
+    ):
+        assert fmt.parse(text) == {"role": "assistant", "content": text}, text
+
+
+def test_parsing_is_linear_in_the_reply():
+    """A long reply full of call starts that are not calls (a JSON list of records with a "name"
+    key) is parsed with work linear in its length: the JSON decoder's characters read, counted."""
+    fmt = tool_call_format(family_tokenizer("llama3_2"))
+    reads = []
+    decode = _DECODER.raw_decode
+
+    def counted(text, start):  # noqa: ANN001, ANN202
+        obj, end = decode(text, start)
+        reads.append(end - start)
+        return obj, end
+
+    for n in (200, 800):
+        reads.clear()
+        records = ", ".join(f'{{"name": "r{i}", "parameters": {{"k": [{i}]}}, "x": 1}}' for i in range(n))
+        text = f"[{records}]"
+        with patch.object(tool_calls, "_DECODER", SimpleNamespace(raw_decode=counted)):
+            assert fmt.parse(text) == {"role": "assistant", "content": text}
+        assert len(reads) == n and sum(reads) < 2 * len(text)  # each record's arguments read once

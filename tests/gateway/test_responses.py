@@ -3,6 +3,7 @@
 import asyncio
 import json
 
+from prodrl_pipeline.gateway.chat_format import TemplateChat
 from prodrl_pipeline.gateway.responses import (
     Ending,
     IncrementalText,
@@ -11,6 +12,7 @@ from prodrl_pipeline.gateway.responses import (
     cut_at_stop,
     held,
 )
+from tests.families import family_tokenizer
 
 
 def _stream(tokenizer, ids: list[int], stops, whole: bool) -> tuple[str, dict, int]:
@@ -89,9 +91,7 @@ def _chars(tokenizer, text: str) -> list[int]:
     return ids
 
 
-async def _lockstep(
-    tokenizer, ids: list[int], stops, content: str, call_start=None
-) -> tuple[list[str], list]:
+async def _lockstep(tokenizer, ids: list[int], stops, content: str, call_starts=()) -> tuple[list[str], list]:
     """The text shown after each token of a stream fed one token at a time (each given the loop
     until the stream waits again), and the events after the last token."""
     tokens = TokenFeed(asyncio.get_running_loop())
@@ -99,7 +99,7 @@ async def _lockstep(
     async def end() -> Ending:
         return Ending({"role": "assistant", "content": content}, "stop", None, None)
 
-    stream = chat_stream(tokenizer, "m", "c", 0, {}, tokens, end, lambda: None, stops, call_start)
+    stream = chat_stream(tokenizer, "m", "c", 0, {}, tokens, end, lambda: None, stops, call_starts)
     assert json.loads((await anext(stream))[6:])["choices"][0]["delta"] == {
         "role": "assistant",
         "content": "",
@@ -153,13 +153,25 @@ def test_held_is_the_longest_end_that_begins_a_held_string():
 def test_text_from_where_a_call_starts_waits_for_the_final_message(tokenizer):
     marker = tokenizer.convert_tokens_to_ids("<tool_call>")
     ids = [*_chars(tokenizer, "ok."), marker, *_chars(tokenizer, "{x}")]
-    shown, _ = asyncio.run(_lockstep(tokenizer, ids, None, "ok.", "<tool_call>"))
+    shown, _ = asyncio.run(_lockstep(tokenizer, ids, None, "ok.", ("<tool_call>",)))
     assert shown == ["o", "k", ".", "", "", "", ""]
-    shown, _ = asyncio.run(_lockstep(tokenizer, ids, None, "ok.", call_start=None))
+    shown, _ = asyncio.run(_lockstep(tokenizer, ids, None, "ok.", call_starts=()))
     assert "".join(shown) == tokenizer.decode(ids)  # without a call start it is text like any other
     plain = _chars(tokenizer, 'ok{"n":1}')  # a family whose calls are bare JSON (Llama 3's)
-    shown, _ = asyncio.run(_lockstep(tokenizer, plain, None, "ok", '{"n'))
+    shown, _ = asyncio.run(_lockstep(tokenizer, plain, None, "ok", ('{"n',)))
     assert ["".join(shown[: n + 1]) for n in range(len(plain))][1:] == ["ok"] * (len(plain) - 1)
+
+
+def test_the_separator_before_a_call_is_held_as_the_parsed_content_drops_it(tokenizer):
+    """Qwen3 writes a newline between a turn's text and its call, and parsed content leaves it out:
+    the stream holds it back with the call, so what it shows stays a prefix of the final content."""
+    assert TemplateChat(family_tokenizer("qwen3")).stream_hold(True) == ("\n<tool_call>", "<tool_call>")
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    marker = tokenizer.convert_tokens_to_ids("<tool_call>")
+    ids = [*_chars(tokenizer, "ok."), *newline, marker, *_chars(tokenizer, "{x}")]
+    shown, rest = asyncio.run(_lockstep(tokenizer, ids, None, "ok.", ("\n<tool_call>", "<tool_call>")))
+    assert "".join(shown) == "ok."
+    assert not [e for e in rest if e["choices"] and e["choices"][0]["delta"].get("content")]
 
 
 def _events_of(tokenizer, end, ids=()) -> list[str]:
