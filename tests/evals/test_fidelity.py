@@ -4,9 +4,16 @@ against explicit gradient vectors."""
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from prodrl_pipeline.evals.fidelity import (
     CellStats,
@@ -20,6 +27,7 @@ from prodrl_pipeline.evals.fidelity import (
     summarize,
     support_logprobs,
 )
+from prodrl_pipeline.evals.fidelity_study import ENGINES, ESTIMATORS, STALENESS, SUPPORTS
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from tests.conftest import TINY, rounding_tolerance
@@ -162,3 +170,32 @@ def test_cell_statistics_match_explicit_gradient_vectors() -> None:
     assert got["relative_bias"] == pytest.approx(float((expected - truth).norm() / truth.norm()), abs=1e-12)
     assert got["relative_variance"] == pytest.approx(var / batch / float(truth @ truth), abs=1e-12)
     assert got["cosine_lo"] <= got["cosine_hi"]
+
+
+@pytest.mark.slow
+def test_the_fidelity_command(tmp_path: Path) -> None:
+    """The documented command on 2 states and S = 2: every cell is there, and with no mismatch (fp32
+    engine, full support, theta = theta_k) every estimator without KL expects grad J: its bias is
+    float32 rounding of the log-probs mu and pi_S are computed from, summed over the legal moves."""
+    tokenizer = AutoTokenizer.from_pretrained("data/tokenizer")
+    build_model(TinyQwen3Config(), len(tokenizer), tokenizer.pad_token_id).save_pretrained(tmp_path / "base")
+    out = tmp_path / "fidelity"
+    args = ["--states", "2", "--steps", "2", "--bootstrap", "20", "--out", str(out)]
+    args += ["--checkpoint", str(tmp_path / "base")]  # no warm start: a random init serves as theta_k
+    subprocess.run(
+        [sys.executable, "-m", "prodrl_pipeline.evals.fidelity_study", *args], check=True, timeout=1800
+    )
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert len(rows) == len(ESTIMATORS) * len(STALENESS) * len(ENGINES) * len(SUPPORTS)
+    on_policy = [
+        r
+        for r in rows
+        if r["engine"] == "fp32"
+        and r["support"] == "full"
+        and r["staleness_steps"] == 0
+        and "kl" not in r["estimator"]
+    ]
+    assert len(on_policy) == len(ESTIMATORS) // 2
+    tol = 50 * rounding_tolerance(math.log(50), TinyQwen3Config().hidden_size)  # |log p| <= log|M|, |M| <= 50
+    assert all(r["relative_bias"] <= tol for r in on_policy), on_policy
+    assert "## Gradient fidelity" in out.with_suffix(".md").read_text()
