@@ -64,10 +64,11 @@ HEAD_SIZE = 20  # the lab engine's recorded top_logprobs
 Served = Callable[[PreTrainedModel, Path], PreTrainedModel]
 ENGINES: dict[str, Served] = {
     "fp32": lambda model, folder: model,
-    "nvfp4_w4a16": lambda model, folder: load_deployment(folder),
+    "nvfp4_w4a16": lambda model, folder: load_deployment(folder, "nvfp4"),
+    "nvfp4_w4a4": lambda model, folder: load_deployment(folder, "nvfp4_w4a4"),
 }
-"""How theta_k's deployment serves, from its NVFP4 export in `folder`. NVFP4 W4A4 (branch i42-w4a4)
-is one more entry once merged: "nvfp4_w4a4": lambda model, folder: load_deployment(folder, "nvfp4_w4a4")."""
+"""How theta_k's deployment serves, from its NVFP4 export in `folder` (one export for both NVFP4
+formats; W4A4 quantizes each quantized linear's input with the export's calibrated input_scale)."""
 
 
 def _logits(model: PreTrainedModel, states: list[Decision]) -> list[torch.Tensor]:
@@ -102,17 +103,22 @@ def base_policy(tokenizer, data_dir: str, checkpoint: str | None) -> PreTrainedM
 
 
 def run(
-    model: PreTrainedModel, states: list[Decision], batch_size: int, steps: int, n_boot: int
+    model: PreTrainedModel,
+    states: list[Decision],
+    batch_size: int,
+    steps: int,
+    n_boot: int,
+    engines: tuple[str, ...] = tuple(ENGINES),
 ) -> list[dict]:
     """One row per estimator x staleness x engine x support cell."""
     round_start = _logits(model, states)
     served: dict[str, list[torch.Tensor]] = {}
     with tempfile.TemporaryDirectory() as folder:
         export_deployment(model, folder, "nvfp4", calibration=[d.prompt_ids for d in states])
-        for name, serve in ENGINES.items():
-            served[name] = _logits(serve(model, Path(folder)), states)
+        for name in engines:
+            served[name] = _logits(ENGINES[name](model, Path(folder)), states)
         dequantized = _logits(load_deployment(folder), states)
-    reference = {name: round_start if name == "fp32" else dequantized for name in ENGINES}
+    reference = {name: round_start if name == "fp32" else dequantized for name in engines}
     trainer = TrainerConfig()
     policy = copy.deepcopy(model)
     opt = torch.optim.Adam(policy.parameters(), lr=trainer.lr, betas=(trainer.beta1, trainer.beta2))
@@ -130,7 +136,7 @@ def run(
         for z in current:
             offsets.append(offsets[-1] + len(z))
         blocks = [gram[a:b, a:b] for a, b in zip(offsets, offsets[1:], strict=False)]
-        for engine in ENGINES:
+        for engine in engines:
             for support, (top_k, top_p) in SUPPORTS.items():
                 log_mu = [support_logprobs(z, top_k, top_p) for z in served[engine]]
                 baseline = sum(
@@ -200,40 +206,47 @@ def markdown(rows: list[dict], steps: int) -> str:
     return "\n".join(out)
 
 
-def section(result: dict) -> str:
-    """The "Gradient fidelity" section of docs/results.md from the command's JSON."""
-    rows = result["rows"]
-    n = rows[0]["n_states"]
-    cells = sorted({(r["engine"], r["support"], r["staleness_steps"]) for r in rows})
+def section(results: list[dict]) -> str:
+    """The "Gradient fidelity" section of docs/results.md from the JSON of one or more runs of the
+    command (e.g. an engine run on its own)."""
+    runs = []
+    for result in results:
+        rows = result["rows"]
+        engines = ", ".join(dict.fromkeys(r["engine"] for r in rows))
+        runs += [
+            f"### {engines}: {rows[0]['n_states']} states",
+            "",
+            f"`{result['command']}`: {len(rows)} cells, {result['seconds'] / 60:.0f} min wall time on 2",
+            "CPU cores shared with other work.",
+            "",
+            markdown(rows, result["steps"]),
+        ]
     return "\n".join(
         [
             "## Gradient fidelity (exact, by enumeration)",
             "",
-            f"`{result['command']}`: {n} lab mate-in-1 first turns (train split), {len(rows)} cells "
-            f"({len(ESTIMATORS)} estimators x {len(cells)} staleness x engine x support), "
-            f"{result['seconds'] / 60:.0f} min wall time on 2 shared CPU cores.",
+            "States: the first turns of the lab's mate-in-1 train puzzles, each one decision over the",
+            "legal moves M with known rewards. Exact, by enumeration: the gradient",
+            "grad J = (1/n) sum_s sum_a pi_S(a) R(a) grad log pi_S(a) (S the deployment's kept support)",
+            "and each estimator's expected update E_{a~mu}[g] through the trainer's own objective",
+            "(rl/estimators.py), with A = R - b and b the expected batch mean (1/n) sum_s E_mu[R] (a",
+            "constant: the B -> infinity limit of the batch-mean baseline). cos: cosine(E[g], grad J);",
+            "bias: ||E[g] - grad J|| / ||grad J||; var: the trace variance of the mean of B = 64 iid",
+            "(state, token) draws over ||grad J||^2, also exact. Sampled: only the 95% intervals",
+            "[lo, hi] (a 1,000-resample bootstrap over the states).",
             "",
-            "Each turn is one decision over the legal moves M with known rewards. Exact, by enumeration:",
-            "the gradient grad J = (1/n) sum_s sum_a pi_S(a) R(a) grad log pi_S(a) (S the deployment's",
-            "kept support) and each estimator's expected update E_{a~mu}[g] through the trainer's own",
-            "objective (rl/estimators.py), with A = R - b and b the expected batch mean",
-            "(1/n) sum_s E_mu[R] (a constant: the B -> infinity limit of the batch-mean baseline).",
-            "cos: cosine(E[g], grad J); bias: ||E[g] - grad J|| / ||grad J||; var: the trace variance of",
-            "the mean of B = 64 iid (state, token) draws over ||grad J||^2, also exact. Sampled: only the",
-            "95% intervals [lo, hi] (1,000-resample bootstrap over the states).",
+            "Caveats: few states (n below), so the intervals are wide where states disagree; theta_k is",
+            "the lab's warm-started base model (the `base_model` asset's defaults); staleness is theta",
+            "after Adam steps (the trainer's lr, betas and clip, a fresh optimizer state, so larger",
+            "first steps than a carried one) on the exact objective of the same states: a controlled",
+            "drift, not minibatch training; mu is recomputed by a full forward of the served model, not",
+            "read from recorded calls; the trainer's 1/T_i token weighting is left out of both sides;",
+            "score centering's samples form has M = 1 extra sample (its var is M = 1's); the head",
+            "form's head is mu's top 20 (the lab's top_logprobs), so with more kept moves its tail",
+            f"model applies; +kl adds beta = {KL_BETA} times the KL estimator, whose expected update",
+            "-beta grad KL(pi || pi_k) is no part of grad J (0 at 0 steps).",
             "",
-            "Caveats: theta_k is the lab's warm-started base model; staleness is theta after Adam steps",
-            "(trainer lr, betas, clip, a fresh optimizer state: larger first steps than a carried one)",
-            "on the exact objective of the same states, so it is a controlled drift, not minibatch",
-            "training; mu is recomputed by a full forward of the served model, not read from recorded",
-            "calls; the trainer's 1/T_i token weighting is left out of both sides; score centering's",
-            "samples form has M = 1 extra sample; the head form's head is mu's top 20 (the lab's",
-            "top_logprobs), so with more than 20 kept moves its tail model applies; +kl adds",
-            f"beta = {KL_BETA} times the KL estimator, whose expected update is -beta grad KL(pi || pi_k),",
-            "not part of grad J. NVFP4 W4A4 (branch i42-w4a4) is not in this table: one more `ENGINES`",
-            "entry once merged.",
-            "",
-            markdown(rows, result["steps"]),
+            *runs,
         ]
     )
 
@@ -245,6 +258,7 @@ def main() -> int:
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--out", default="docs/results/fidelity")
     parser.add_argument("--bootstrap", type=int, default=1000)
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"a subset of {','.join(ENGINES)}")
     parser.add_argument(
         "--steps", type=int, default=TrainerConfig().steps, help="S, optimizer steps per round"
     )
@@ -256,14 +270,17 @@ def main() -> int:
     states = decisions(tokenizer, mate_in_1[: 2 * args.states])[: args.states]
     model = base_policy(tokenizer, args.data_dir, args.checkpoint)
     print(f"theta_k ready, {len(states)} states: {time.perf_counter() - t0:.0f} s", flush=True)
-    rows = run(model, states, TrainerConfig().batch_size, args.steps, args.bootstrap)
+    engines = tuple(args.engines.split(","))
+    if unknown := set(engines) - set(ENGINES):
+        parser.error(f"unknown engines {sorted(unknown)}; choose from {sorted(ENGINES)}")
+    rows = run(model, states, TrainerConfig().batch_size, args.steps, args.bootstrap, engines)
     seconds = time.perf_counter() - t0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python -m prodrl_pipeline.evals.fidelity_study " + " ".join(sys.argv[1:])
     result = {"command": command.strip(), "seconds": seconds, "steps": args.steps, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(section(result))
+    out.with_suffix(".md").write_text(section([result]))
     print(f"{len(rows)} cells over {len(states)} states in {seconds:.0f} s: {out}.json, {out}.md")
     return 0
 
