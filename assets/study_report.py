@@ -23,8 +23,9 @@ class StudyReportConfig(Config):
 def study_report(config: StudyReportConfig) -> MaterializeResult:
     """Every finished study configuration compared per finding (verdict with a 95% interval over
     seeds), the curves of each comparison group, the final round of every run."""
-    report = build_report(Path(config.root), config.seeds)
     out = Path(config.out).resolve()
+    fidelity = out.parent / "results" / "fidelity.md"  # python -m prodrl_pipeline.evals.fidelity_study
+    report = build_report(Path(config.root), config.seeds, fidelity.read_text() if fidelity.exists() else "")
     report.save(out)
     curves = {name.removesuffix(".png"): metadata.image(png, name) for name, png in report.figures.items()}
     return MaterializeResult(

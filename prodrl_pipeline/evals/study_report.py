@@ -240,8 +240,9 @@ def _final_rows(root: Path, curves: dict[str, dict[int, list[dict]]]) -> list[di
     return rows
 
 
-def build_report(root: Path, seeds: Sequence[int]) -> StudyReport:
-    """The report over every configuration with at least one trained round in some seed."""
+def build_report(root: Path, seeds: Sequence[int], fidelity: str = "") -> StudyReport:
+    """The report over every configuration with at least one trained round in some seed; `fidelity`:
+    the gradient-fidelity section (evals/fidelity_study.py), appended when given."""
     root = Path(root)
     curves: dict[str, dict[int, list[dict]]] = {}
     for c in CONFIGS:
@@ -273,5 +274,6 @@ def build_report(root: Path, seeds: Sequence[int]) -> StudyReport:
         "Gain over base: paired on the held-out puzzles against the shared base deployment.",
         "",
         markdown_table(_final_rows(root, curves), FINAL_COLUMNS),
+        *([""] + [fidelity] if fidelity else []),
     ]
     return StudyReport("\n".join(lines) + "\n", figures, findings)
