@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dagster import Definitions
+import warnings
+
+from dagster import BetaWarning, Definitions
 
 from assets.advantages import advantages
 from assets.base_model import base_model
@@ -29,6 +31,13 @@ ROUND_ASSETS = [trajectories, advantages, checkpoint, deployment, eval_report]
 """One round, in order: what `round_job` materializes for a partition."""
 ASSETS = [base_model, *ROUND_ASSETS, *CHECKS]
 """Everything `materialize` needs to run a round with its asset checks."""
+
+# Dagster 1.13 binds resources to an op job by rebuilding the sensors that target it, passing their
+# empty `owners` to an initializer that warns on any value: canary_sensor (which targets the op job
+# canary_job) would log a beta warning at every load for a parameter nobody set.
+warnings.filterwarnings(
+    "ignore", message="Parameter `owners` of initializer `SensorDefinition", category=BetaWarning
+)
 
 settings = settings_from_environment()  # PRODRL_SETTINGS (resources/settings.py), else the lab
 interval = settings["sensor"].minimum_interval_seconds

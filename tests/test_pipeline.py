@@ -295,7 +295,7 @@ def test_a_w4a4_lab_records_what_its_nvfp4_activations_serve(tmp_path):
     base = lookup(tables, "deployments", "deployment_id", BASE)
     assert base["quant_format"] == "nvfp4_w4a4"
     calls = RecordedCalls.from_arrow(tables.read("calls", 1))
-    sampled = torch.from_numpy(calls.support_size > 1)
+    sampled = torch.from_numpy(calls.support.size > 1)
     mu = torch.from_numpy(calls.completion_logprobs)[sampled]
     distance = {}
     for served in ("nvfp4", "nvfp4_w4a4"):

@@ -367,6 +367,7 @@ def test_a_served_call_is_recorded_field_by_field_and_its_prefix_continuity_coun
             "support_mask": [b"", b"\x40\x01\x10\x00\x00\x00\x00"],  # bits 6, 8 and 20
             "extra_token_ids": [[9], [6]],
             "vocab_size": 50,
+            "grammar": None,  # no grammar constrained it
             "sampling": {
                 "temperature": 0.5,
                 "top_p": 1.0,

@@ -99,7 +99,8 @@ def test_every_subset_of_a_tiny_vocabulary_round_trips_in_every_form_and_the_sma
                 *bits,
                 False,
             ]
-    assert {f for c in calls for f in c["support_form"]} == set(Form)
+    # every form but GRAMMAR, which tests/records/test_grammar_masks.py records
+    assert {f for c in calls for f in c["support_form"]} == set(Form) - {Form.GRAMMAR}
     assert [call_problem(c) for c in calls] == [None] * len(calls)
     store = DeltaStore(tmp_path)
     store.overwrite_round("calls", calls, 1)
