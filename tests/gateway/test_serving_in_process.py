@@ -9,10 +9,12 @@ import asyncio
 import json
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import numpy as np
 import pytest
+from fastapi import HTTPException
 from fastapi.testclient import TestClient
 
 from prodrl_pipeline.artifacts import Artifacts
@@ -25,7 +27,15 @@ from prodrl_pipeline.gateway.deployments import Deployments, Loaded
 from prodrl_pipeline.gateway.landing import LandingLog
 from prodrl_pipeline.gateway.protocol import ChatRequest, ParamError
 from prodrl_pipeline.gateway.responses import text_of
-from prodrl_pipeline.gateway.serving import GatewayConfig, Serving
+from prodrl_pipeline.gateway.serving import (
+    CALL_HEADER,
+    HEADER_ID_BYTES,
+    TRAJECTORY_HEADER,
+    GatewayConfig,
+    Serving,
+    header_id,
+    id_headers,
+)
 from prodrl_pipeline.gateway.sessions import SessionIndex
 from prodrl_pipeline.records.store import DeltaStore
 from tests.gateway.conftest import make_root
@@ -441,3 +451,25 @@ def test_a_chat_format_without_json_replies_refuses_them_by_name(root, tokenizer
     finally:
         serving.landing.stop()
         serving.deployments.close()
+
+
+def test_a_trajectory_header_is_decoded_from_utf_8_escapes_and_refused_otherwise():
+    assert header_id("a%20b%C3%A9%3A:") == "a bé::"
+    for value, message in (
+        ("a%zzb", "percent-encode the id as UTF-8 (a % starts %XX)"),
+        ("ab%", "percent-encode the id as UTF-8 (a % starts %XX)"),
+        ("é", "percent-encode the id as UTF-8 (a % starts %XX)"),  # not ASCII, even without a %
+        ("%C3", "its escapes are not UTF-8"),
+        ("ok%FFok", "its escapes are not UTF-8"),
+    ):
+        with pytest.raises(HTTPException) as refused:
+            header_id(value)
+        assert (refused.value.status_code, refused.value.detail) == (400, f"{TRAJECTORY_HEADER}: {message}")
+
+
+def test_the_response_names_the_trajectory_in_a_header_up_to_its_size_limit():
+    exact = "é" * (HEADER_ID_BYTES // 6) + "x" * (HEADER_ID_BYTES % 6)  # é escapes to %C3%A9: 6 bytes
+    assert len(quote(exact, safe=":")) == HEADER_ID_BYTES
+    assert id_headers(exact, "c1") == {CALL_HEADER: "c1", TRAJECTORY_HEADER: quote(exact, safe=":")}
+    assert id_headers(exact + "x", "c2") == {CALL_HEADER: "c2"}  # one byte over: the body still has it
+    assert id_headers("a b:c", "c3") == {CALL_HEADER: "c3", TRAJECTORY_HEADER: "a%20b:c"}
