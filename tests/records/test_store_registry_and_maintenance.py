@@ -136,3 +136,40 @@ def test_a_first_write_that_fails_says_the_table_does_not_exist(tmp_path):
         store.append("rejects", [_reject(0)])
     assert str(failed.value).startswith("writing 1 rows to table 'rejects' failed: ")
     assert str(failed.value).endswith("; the table stays at its last committed version (none)")
+
+
+def test_moving_live_on_a_registry_made_before_the_store_s_properties_deletes_no_commit_file(tmp_path):
+    """A registry written by an older prodrl has deltalake's defaults (expired logs cleaned up at a
+    commit): moving live must not delete commit files older than the log's retention, which a
+    replay of a pinned version reads."""
+    import os
+    import time
+
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    from prodrl_pipeline.records.schema import TABLES
+
+    for k, dep in enumerate(("base", "r1")):
+        row = {
+            "deployment_id": dep,
+            "round": k,
+            "checkpoint_id": dep,
+            "path": "p",
+            "quant_format": "nvfp4",
+            "sampling_json": "{}",
+            "live": False,
+            "created_at": NOW,
+        }
+        write_deltalake(
+            tmp_path / "deployments", pa.Table.from_pylist([row], schema=TABLES["deployments"]), mode="append"
+        )
+    DeltaTable(tmp_path / "deployments").create_checkpoint()
+    log = tmp_path / "deployments" / "_delta_log"
+    sixty_days_ago = time.time() - 60 * 86400
+    for commit in log.glob("*.json"):
+        os.utime(commit, (sixty_days_ago, sixty_days_ago))
+    store = DeltaStore(tmp_path)
+    store.set_live("r1")
+    assert sorted(p.name for p in log.glob("*.json")) == [f"{v:020d}.json" for v in range(3)]
+    assert store.read("deployments", version=0).to_pylist()[0]["deployment_id"] == "base"
