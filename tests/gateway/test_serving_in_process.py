@@ -7,6 +7,7 @@ from an engine without per-token callbacks), their usage, a client that leaves, 
 
 import asyncio
 import json
+import logging
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
@@ -390,7 +391,11 @@ def _completion(row: dict):
     return Completion(token_ids=row["completion_token_ids"], finish_reason=row["finish_reason"])
 
 
-def test_a_client_that_leaves_a_stream_is_counted_and_its_call_is_not_recorded(root, tokenizer, tmp_path):
+def test_a_client_that_leaves_a_stream_is_counted_and_its_call_is_not_recorded(
+    root, tokenizer, tmp_path, caplog
+):
+    """The client leaves at the first text, and its event loop closes while the generation runs:
+    the generation ends (closing the engine waits for it) without an error from its callbacks."""
     serving = _serving(root, tokenizer, tmp_path / "spool")
     no_eos = {str(tokenizer.eos_token_id): -100}
     req = ChatRequest(messages=USER, max_tokens=200, seed=5, logit_bias=no_eos, stream=True)
@@ -398,10 +403,11 @@ def test_a_client_that_leaves_a_stream_is_counted_and_its_call_is_not_recorded(r
         events = asyncio.run(_stream(serving, req, "ip-gone", leave_after_text=True))
     finally:
         serving.landing.stop()
-        serving.deployments.close()
+        serving.deployments.close()  # after the running generation has ended
     assert events[-1][0]["choices"][0]["delta"]["content"] and events[-1][1] == 0
     assert serving.metrics.counts == {"client_gone": 1}
     assert _landed(root, "call-ip-gone") == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_an_engine_that_does_not_honour_a_constraint_refuses_it_by_name(root, tokenizer, tmp_path):
