@@ -8,6 +8,7 @@ from an engine without per-token callbacks), their usage, a client that leaves, 
 import asyncio
 import json
 import logging
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
@@ -188,6 +189,7 @@ def test_a_named_tool_choice_forces_that_call_and_required_forces_one_of_the_too
     (streamed_call,) = [e for e in streamed if e.get("choices") and "tool_calls" in e["choices"][0]["delta"]]
     assert streamed_call["choices"][0]["delta"]["tool_calls"][0]["function"] == call["function"]
     assert streamed[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert _streamed_text(streamed) == (named["choices"][0]["message"]["content"] or "")  # no call markup
     one, any_of = _landed(root, named["prodrl"]["call_id"], required["prodrl"]["call_id"])
     assert one["completion_token_ids"] == list(tool_call_ids(tokenizer, "resign", "why", "lost"))
     assert set(one["support_size"]) == {1}  # one call allowed: every token forced
@@ -251,7 +253,15 @@ def test_forced_calls_and_stops_are_refused_by_name(root):
 
 def test_a_stream_reports_its_usage_when_asked_and_is_recorded_as_streamed(root, tokenizer):
     with _gateway(root) as client:
-        counted = _events(client, max_tokens=5, seed=9, stream_options={"include_usage": True}, user="ip-s")
+        counted = _events(
+            client,
+            max_tokens=5,
+            seed=9,
+            stream_options={"include_usage": True},
+            user="ip-s",
+            logprobs=True,
+            top_logprobs=1,
+        )
         plain = _events(client, max_tokens=5, seed=9, stream_options={"include_usage": False}, user="ip-s")
         assert _count(client, "chat") == 2
     call_id = counted[0]["prodrl"]["call_id"]
@@ -262,6 +272,14 @@ def test_a_stream_reports_its_usage_when_asked_and_is_recorded_as_streamed(root,
         "total_tokens": len(counted[0]["prodrl"]["prompt_token_ids"]) + len(final["prodrl"]["token_ids"]),
     }
     assert "usage" not in plain[-1] and plain[-1]["choices"][0]["finish_reason"] is not None
+    shown = final["choices"][0]["logprobs"]["content"]
+    assert len(shown) == len(final["prodrl"]["token_ids"]) and all(len(t["top_logprobs"]) == 1 for t in shown)
+    assert "logprobs" not in plain[-1]["choices"][0]
+    created = counted[0]["created"]
+    assert isinstance(created, int) and created > 0
+    assert {(e["id"], e["model"], e["created"]) for e in counted} == {
+        (f"chatcmpl-{call_id}", "base", created)
+    }
     (row, again) = _landed(root, call_id, plain[0]["prodrl"]["call_id"])
     assert row["completion_token_ids"] == final["prodrl"]["token_ids"] == again["completion_token_ids"]
     assert (row["call_index"], again["call_index"], row["trajectory_id"]) == (0, 1, "ip-s")
@@ -283,7 +301,9 @@ def test_a_stream_whose_grammar_fails_mid_reply_ends_with_the_request_s_error_an
     fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}
     with _gateway(root) as client:
         events = _events(client, response_format=fmt, max_tokens=32, user="ip-wide")
-        assert (_count(client, "engine_error"), _count(client, "chat")) == (1, 0)
+        again = _events(client, response_format=fmt, max_tokens=32, user="ip-wide-2")
+        assert (_count(client, "engine_error"), _count(client, "chat")) == (2, 0)
+    assert again[-1]["error"]["param"] == "response_format"
     assert events[-1]["error"]["param"] == "response_format"
     assert _landed(root, events[0]["prodrl"]["call_id"]) == []
 
@@ -291,10 +311,11 @@ def test_a_stream_whose_grammar_fails_mid_reply_ends_with_the_request_s_error_an
 # -- Serving driven directly ------------------------------------------------------------------
 
 
-def _serving(root: Path, tokenizer, spool: Path, engine: str = "embedded") -> Serving:
+def _serving(root: Path, tokenizer, spool: Path, engine: str = "embedded", vllm_status: int = 200) -> Serving:
     """A gateway's Serving from the same parts `build_app` assembles, its landing log started: the
     live tiny model in the embedded engine, or (`engine="vllm"`) the vLLM client over a stand-in
-    vLLM server that answers every completion greedily with "e4 e5" and the end token."""
+    vLLM server that answers every completion greedily with "e4 e5" and the end token (or, with
+    another `vllm_status`, fails with it)."""
     store = DeltaStore(root / "tables")
     if engine == "embedded":
         loaded = embedded_loader(parser().parse_args([]), tokenizer, Artifacts(str(root)))(
@@ -304,6 +325,8 @@ def _serving(root: Path, tokenizer, spool: Path, engine: str = "embedded") -> Se
         reply = [*tokenizer.encode("e4 e5", add_special_tokens=False), tokenizer.eos_token_id]
 
         def vllm(request: httpx.Request) -> httpx.Response:
+            if vllm_status != 200:
+                return httpx.Response(vllm_status, json={"error": "the server failed"})
             n = min(json.loads(request.content)["max_tokens"], len(reply))
             choice = {
                 "token_ids": reply[:n],
@@ -323,9 +346,12 @@ def _serving(root: Path, tokenizer, spool: Path, engine: str = "embedded") -> Se
     return Serving(GatewayConfig(), Deployments(loaded), tokenizer, landing, SessionIndex(60.0))
 
 
-async def _stream(serving: Serving, req: ChatRequest, tid: str, leave_after_text: bool = False) -> list:
+async def _stream(
+    serving: Serving, req: ChatRequest, tid: str, leave_after_text: bool = False, paused=None
+) -> list:
     """Each event of a streamed chat call as (event, calls recorded so far); `leave_after_text`:
-    the client leaves at the first text."""
+    the client leaves at the first text; `paused` (a `Paused`) is the call's constraint, told when
+    text arrives."""
     prompt = serving.chat.prompt_ids([m.for_template() for m in req.messages])
 
     def reply(c):
@@ -333,7 +359,7 @@ async def _stream(serving: Serving, req: ChatRequest, tid: str, leave_after_text
 
     with serving.leased(tid, None) as dep:
         params = serving.sampling(dep, prompt, req, "messages")
-        constraint = await serving.constraint(dep, req)
+        constraint = paused or await serving.constraint(dep, req)
         ids = {"trajectory_id": tid, "call_id": f"call-{tid}"}
         messages = [m.for_template() for m in req.messages]
         stream = serving.stream_chat(
@@ -343,12 +369,10 @@ async def _stream(serving: Serving, req: ChatRequest, tid: str, leave_after_text
     async for line in stream:
         event = None if line == "data: [DONE]\n\n" else json.loads(line.removeprefix("data: "))
         events.append((event, serving.landing.pending))
-        if (
-            leave_after_text
-            and event
-            and event.get("choices")
-            and event["choices"][0]["delta"].get("content")
-        ):
+        text = bool(event and event.get("choices") and event["choices"][0]["delta"].get("content"))
+        if paused is not None and text:
+            paused.text_seen.set()
+        if leave_after_text and text:
             await stream.aclose()
             break
     return events
@@ -385,6 +409,64 @@ def test_a_stream_shows_text_before_its_call_is_recorded_and_records_it_before_t
     assert serving.metrics.counts == {"chat": 1}
 
 
+class Paused:
+    """A constraint that allows every token and, before its 4th, waits until the test has seen
+    text streamed (at most 60 s, far beyond a token's time): `waited` says whether text came while
+    the completion was still being generated."""
+
+    def __init__(self):
+        self.text_seen, self.waited = threading.Event(), None
+
+    def start(self) -> "Paused":
+        self.n = 0
+        return self
+
+    def allow(self, row) -> None:  # noqa: ANN001 - a [V] bool tensor
+        row[:] = True
+
+    def advance(self, token: int) -> None:  # noqa: ARG002
+        self.n += 1
+        if self.n == 3:
+            self.waited = self.text_seen.wait(60)
+
+    def forced(self) -> list[int]:
+        return []
+
+    @property
+    def finished(self) -> bool:
+        return False
+
+
+def test_the_embedded_engine_s_stream_shows_text_while_the_completion_is_generated(root, tokenizer, tmp_path):
+    serving = _serving(root, tokenizer, tmp_path / "spool")
+    no_eos = {str(tokenizer.eos_token_id): -100}
+    req = ChatRequest(messages=USER, max_tokens=8, seed=5, logit_bias=no_eos, stream=True)
+    paused = Paused()
+    try:
+        events = asyncio.run(_stream(serving, req, "ip-live", paused=paused))
+    finally:
+        serving.landing.stop()
+        serving.deployments.close()
+    assert paused.waited is True and paused.n == 8
+    assert len(events[-2][0]["prodrl"]["token_ids"]) == 8
+
+
+def test_a_vllm_stream_that_fails_ends_with_an_error_event_counted_and_records_nothing(
+    root, tokenizer, tmp_path
+):
+    serving = _serving(root, tokenizer, tmp_path / "spool", "vllm", vllm_status=500)
+    req = ChatRequest(messages=USER, max_tokens=8, temperature=0.0, stream=True)
+    try:
+        events = asyncio.run(_stream(serving, req, "ip-vllm-down"))
+    finally:
+        serving.landing.stop()
+        serving.deployments.close()
+    error = events[-1][0]["error"]
+    assert error["message"].startswith("generation failed: ") and "500" in error["message"]
+    assert serving.metrics.counts == {"engine_error": 1}
+    assert _landed(root, "call-ip-vllm-down") == []
+
+
 def _completion(row: dict):
     from prodrl_pipeline.engine.rows import Completion
 
@@ -401,12 +483,13 @@ def test_a_client_that_leaves_a_stream_is_counted_and_its_call_is_not_recorded(
     req = ChatRequest(messages=USER, max_tokens=200, seed=5, logit_bias=no_eos, stream=True)
     try:
         events = asyncio.run(_stream(serving, req, "ip-gone", leave_after_text=True))
+        asyncio.run(_stream(serving, req, "ip-gone-2", leave_after_text=True))
     finally:
         serving.landing.stop()
         serving.deployments.close()  # after the running generation has ended
     assert events[-1][0]["choices"][0]["delta"]["content"] and events[-1][1] == 0
-    assert serving.metrics.counts == {"client_gone": 1}
-    assert _landed(root, "call-ip-gone") == []
+    assert serving.metrics.counts == {"client_gone": 2}
+    assert _landed(root, "call-ip-gone", "call-ip-gone-2") == []
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
