@@ -351,7 +351,7 @@ async def _stream(
 ) -> list:
     """Each event of a streamed chat call as (event, calls recorded so far); `leave_after_text`:
     the client leaves at the first text; `paused` (a `Paused`) is the call's constraint, told when
-    text arrives."""
+    text arrives (or, when the client leaves, once it has left)."""
     prompt = serving.chat.prompt_ids([m.for_template() for m in req.messages])
 
     def reply(c):
@@ -370,10 +370,13 @@ async def _stream(
         event = None if line == "data: [DONE]\n\n" else json.loads(line.removeprefix("data: "))
         events.append((event, serving.landing.pending))
         text = bool(event and event.get("choices") and event["choices"][0]["delta"].get("content"))
-        if paused is not None and text:
+        if paused is not None and text and not leave_after_text:
             paused.text_seen.set()
         if leave_after_text and text:
             await stream.aclose()
+            if paused is not None:  # the client has left: the generation goes on, to its next token
+                paused.text_seen.set()
+                await asyncio.to_thread(serving.deployments.close)  # waits for it, the loop still running
             break
     return events
 
@@ -410,9 +413,9 @@ def test_a_stream_shows_text_before_its_call_is_recorded_and_records_it_before_t
 
 
 class Paused:
-    """A constraint that allows every token and, before its 4th, waits until the test has seen
-    text streamed (at most 60 s, far beyond a token's time): `waited` says whether text came while
-    the completion was still being generated."""
+    """A constraint that allows every token and, taking the 2nd, waits until the test has seen the
+    1st streamed as text (at most 60 s, far beyond a token's time): `waited` says whether text came
+    while the completion was still being generated."""
 
     def __init__(self):
         self.text_seen, self.waited = threading.Event(), None
@@ -426,7 +429,7 @@ class Paused:
 
     def advance(self, token: int) -> None:  # noqa: ARG002
         self.n += 1
-        if self.n == 3:
+        if self.n == 2:
             self.waited = self.text_seen.wait(60)
 
     def forced(self) -> list[int]:
@@ -449,6 +452,22 @@ def test_the_embedded_engine_s_stream_shows_text_while_the_completion_is_generat
         serving.deployments.close()
     assert paused.waited is True and paused.n == 8
     assert len(events[-2][0]["prodrl"]["token_ids"]) == 8
+
+
+def test_a_client_that_leaves_ends_the_generation_at_its_next_token(root, tokenizer, tmp_path):
+    serving = _serving(root, tokenizer, tmp_path / "spool")
+    no_eos = {str(tokenizer.eos_token_id): -100}
+    req = ChatRequest(messages=USER, max_tokens=8, seed=5, logit_bias=no_eos, stream=True)
+    paused = Paused()
+    try:
+        asyncio.run(_stream(serving, req, "ip-left", leave_after_text=True, paused=paused))
+    finally:
+        serving.landing.stop()
+        serving.deployments.close()
+    # the token being made when the client left (the 1st, if it left before that token's callback
+    # returned; else the 2nd, which waited for it), not the 8 asked for
+    assert paused.n in (1, 2)
+    assert serving.metrics.counts == {"client_gone": 1}
 
 
 def test_a_vllm_stream_that_fails_ends_with_an_error_event_counted_and_records_nothing(
