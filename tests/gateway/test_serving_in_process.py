@@ -581,3 +581,14 @@ def test_the_response_names_the_trajectory_in_a_header_up_to_its_size_limit():
     assert id_headers(exact, "c1") == {CALL_HEADER: "c1", TRAJECTORY_HEADER: quote(exact, safe=":")}
     assert id_headers(exact + "x", "c2") == {CALL_HEADER: "c2"}  # one byte over: the body still has it
     assert id_headers("a b:c", "c3") == {CALL_HEADER: "c3", TRAJECTORY_HEADER: "a%20b:c"}
+
+
+def test_the_models_a_request_may_name_are_the_loaded_deployments_then_the_aliases(root):
+    with _gateway(root) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["base", "live"]
+        assert _chat(client, model="live", max_tokens=1)["model"] == "base"
+        assert _refusal(client, model="gpt-4o") == (
+            404,
+            "model",
+            "The model `gpt-4o` does not exist; this gateway serves base, live",
+        )
