@@ -347,11 +347,17 @@ def _serving(root: Path, tokenizer, spool: Path, engine: str = "embedded", vllm_
 
 
 async def _stream(
-    serving: Serving, req: ChatRequest, tid: str, leave_after_text: bool = False, paused=None
+    serving: Serving,
+    req: ChatRequest,
+    tid: str,
+    leave_after_text: bool = False,
+    paused=None,
+    release_in_loop: bool = True,
 ) -> list:
     """Each event of a streamed chat call as (event, calls recorded so far); `leave_after_text`:
     the client leaves at the first text; `paused` (a `Paused`) is the call's constraint, told when
-    text arrives (or, when the client leaves, once it has left)."""
+    text arrives (or, when the client leaves, once it has left, and then only with
+    `release_in_loop`: else the caller releases it once the event loop is closed)."""
     prompt = serving.chat.prompt_ids([m.for_template() for m in req.messages])
 
     def reply(c):
@@ -373,8 +379,10 @@ async def _stream(
         if paused is not None and text and not leave_after_text:
             paused.text_seen.set()
         if leave_after_text and text:
+            if paused is not None:  # leave once the engine is past the 1st token's callback
+                await asyncio.to_thread(paused.taking_second.wait, 60)
             await stream.aclose()
-            if paused is not None:  # the client has left: the generation goes on, to its next token
+            if paused is not None and release_in_loop:  # the client has left: on to the next token
                 paused.text_seen.set()
                 await asyncio.to_thread(serving.deployments.close)  # waits for it, the loop still running
             break
@@ -419,6 +427,7 @@ class Paused:
 
     def __init__(self):
         self.text_seen, self.waited = threading.Event(), None
+        self.taking_second = threading.Event()  # the 1st token's callbacks have all returned
 
     def start(self) -> "Paused":
         self.n = 0
@@ -430,6 +439,7 @@ class Paused:
     def advance(self, token: int) -> None:  # noqa: ARG002
         self.n += 1
         if self.n == 2:
+            self.taking_second.set()
             self.waited = self.text_seen.wait(60)
 
     def forced(self) -> list[int]:
@@ -464,10 +474,27 @@ def test_a_client_that_leaves_ends_the_generation_at_its_next_token(root, tokeni
     finally:
         serving.landing.stop()
         serving.deployments.close()
-    # the token being made when the client left (the 1st, if it left before that token's callback
-    # returned; else the 2nd, which waited for it), not the 8 asked for
-    assert paused.n in (1, 2)
+    assert paused.n == 2  # the token being made when the client left, not the 8 asked for
     assert serving.metrics.counts == {"client_gone": 1}
+
+
+def test_a_generation_whose_event_loop_has_closed_ends_at_its_next_token(root, tokenizer, tmp_path):
+    """The gateway shuts down (its event loop closes) while a stream's generation runs: the
+    generation ends at the token being made, its tokens having nowhere to go."""
+    serving = _serving(root, tokenizer, tmp_path / "spool")
+    no_eos = {str(tokenizer.eos_token_id): -100}
+    req = ChatRequest(messages=USER, max_tokens=8, seed=5, logit_bias=no_eos, stream=True)
+    paused = Paused()
+    try:
+        asyncio.run(
+            _stream(serving, req, "ip-shutdown", leave_after_text=True, paused=paused, release_in_loop=False)
+        )
+        paused.text_seen.set()  # the loop is closed: the engine takes its 2nd token now
+        serving.deployments.close()  # waits for the generation to end
+    finally:
+        serving.landing.stop()
+        serving.deployments.close()
+    assert paused.n == 2  # the token being made when the loop closed, not the 8 asked for
 
 
 def test_a_vllm_stream_that_fails_ends_with_an_error_event_counted_and_records_nothing(
