@@ -425,6 +425,8 @@ class Paused:
     1st streamed as text (at most 60 s, far beyond a token's time): `waited` says whether text came
     while the completion was still being generated."""
 
+    recorded = None  # every id allowed: nothing to recompute
+
     def __init__(self):
         self.text_seen, self.waited = threading.Event(), None
         self.taking_second = threading.Event()  # the 1st token's callbacks have all returned
