@@ -16,6 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+import numpy as np
 from scipy.stats import t as student_t
 
 Decision = Literal["wait", "promote", "roll_back"]
@@ -82,8 +83,11 @@ class WelchDifference:
 
 
 def _mean_var(x: list[float]) -> tuple[float, float]:
-    mean = sum(x) / len(x)
-    return mean, sum((v - mean) ** 2 for v in x) / (len(x) - 1)
+    """Mean and unbiased variance. Never raises: finite rewards too large to square (|r| ~ 1e154 and
+    up, which the feedback endpoint accepts) give inf or nan, and `judge` rolls such a canary back."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = np.asarray(x, dtype=np.float64)
+        return float(values.mean()), float(values.var(ddof=1))
 
 
 def welch_difference(candidate: list[float], control: list[float]) -> WelchDifference:
@@ -145,6 +149,17 @@ def judge(
         )
     d = welch_difference(candidate, control)
     bound = d.lower_bound(config.confidence)
+    if not math.isfinite(bound):
+        return Verdict(
+            "roll_back",
+            f"rolled back: the rewards' statistics are not finite (mean candidate {d.mean_candidate:g}, "
+            f"live {d.mean_control:g}, SE {d.se:g}): a reward too large to test",
+            n_c,
+            n_l,
+            hours,
+            d,
+            bound,
+        )
     promote = bound >= -config.margin
     verb = "promoted" if promote else "rolled back"
     reason = (

@@ -99,3 +99,12 @@ def test_routing_is_stable_per_trajectory_and_respects_the_share():
     assert abs(both - 0.25**2) < 4 * math.sqrt(0.0625 * 0.9375 / len(ids))
     nested = [candidate_arm("main-r000001.1", t, 0.5) for t in ids]  # a larger share keeps the smaller's
     assert all(n for r, n in zip(routed, nested, strict=True) if r)
+
+
+def test_a_reward_too_large_to_square_rolls_the_canary_back_instead_of_raising():
+    """The feedback endpoint accepts any finite reward; 1e200 squared overflows. The rule still
+    decides: the statistics are not finite, so the candidate is rolled back, saying why."""
+    config = CanaryConfig(min_per_arm=3)
+    for candidate, control in (([0.5, 0.5, 1e200], [0.5, 0.4, 0.6]), ([0.5, 0.4, 0.6], [1e200, -1e200, 0.0])):
+        verdict = judge(config, candidate, control, waited_seconds=0.0)
+        assert verdict.decision == "roll_back" and "not finite" in verdict.reason, verdict
