@@ -5,9 +5,36 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from prodrl_pipeline.records.registry import register_deployment
 from prodrl_pipeline.records.store import TABLE_PROPERTIES, DeltaStore
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
+
+
+def _register(store: DeltaStore, *ids: str) -> None:
+    """Register deployments `ids` as rounds 0, 1, ... (placeholder paths)."""
+    for k, dep in enumerate(ids):
+        register_deployment(
+            store,
+            deployment_id=dep,
+            round_=k,
+            checkpoint_id=dep,
+            path="p",
+            quant_format="nvfp4",
+            sampling_json="{}",
+        )
+
+
+def _reject(i: int) -> dict:
+    """A rejects row, `r{i}`."""
+    return {
+        "table_name": "calls",
+        "round": 1,
+        "record_id": f"r{i}",
+        "reason": "x",
+        "record_json": "{}",
+        "rejected_at": NOW,
+    }
 
 
 def _call(i: int, round_: int, ids: list[int], lps: list[float]) -> dict:
@@ -93,19 +120,8 @@ def test_live_pointer_is_unique(tmp_path):
 
 
 def test_moving_live_decides_on_the_row_read_and_retries_when_another_writer_moved_it(tmp_path):
-    from prodrl_pipeline.records.registry import register_deployment
-
     store = DeltaStore(tmp_path)
-    for k, dep in enumerate(("base", "main-r000001", "main-r000002")):
-        register_deployment(
-            store,
-            deployment_id=dep,
-            round_=k,
-            checkpoint_id=dep,
-            path="p",
-            quant_format="nvfp4",
-            sampling_json="{}",
-        )
+    _register(store, "base", "main-r000001", "main-r000002")
     store.set_live("base")
     seen = []
 

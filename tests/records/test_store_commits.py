@@ -10,7 +10,7 @@ import pytest
 
 from prodrl_pipeline.records.schema import TABLES
 from prodrl_pipeline.records.store import DeltaStore, StorageError, _one_line
-from tests.records.test_store import NOW, _call
+from tests.records.test_store import NOW, _call, _reject
 from tests.records.test_store_writes import _racing
 
 
@@ -166,14 +166,3 @@ def test_a_corrupt_log_met_by_a_write_fails_it_naming_the_table(tmp_path, monkey
     assert str(failed.value).endswith(
         "; the table stays at its last committed version (unknown: reading it failed too, StorageError)"
     )
-
-
-def _reject(i: int) -> dict:
-    return {
-        "table_name": "calls",
-        "round": 1,
-        "record_id": f"r{i}",
-        "reason": "x",
-        "record_json": "{}",
-        "rejected_at": NOW,
-    }

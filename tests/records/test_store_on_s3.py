@@ -4,9 +4,8 @@ through the store's storage options, a kept snapshot catches up with another wri
 
 import pytest
 
-from prodrl_pipeline.records.registry import register_deployment
 from prodrl_pipeline.records.store import DeltaStore
-from tests.records.test_store import _call
+from tests.records.test_store import _call, _register
 from tests.s3 import BUCKET, s3_server
 
 
@@ -42,16 +41,7 @@ def test_the_store_reads_writes_overwrites_and_queries_tables_in_a_bucket(s3):
 
 def test_the_live_pointer_moves_in_a_bucket(s3):
     store = DeltaStore(f"s3://{BUCKET}/registry", storage_options=s3)
-    for k, dep in enumerate(("base", "r1")):
-        register_deployment(
-            store,
-            deployment_id=dep,
-            round_=k,
-            checkpoint_id=dep,
-            path="p",
-            quant_format="nvfp4",
-            sampling_json="{}",
-        )
+    _register(store, "base", "r1")
     store.set_live("r1")
     assert (
         DeltaStore(f"s3://{BUCKET}/registry", storage_options=s3).live_deployment()["deployment_id"] == "r1"

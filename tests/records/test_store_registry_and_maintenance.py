@@ -6,34 +6,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from prodrl_pipeline.records.registry import register_deployment
 from prodrl_pipeline.records.store import DeltaStore, StorageError
+from tests.records.test_store import _register, _reject
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
-
-
-def _register(store: DeltaStore, *ids: str) -> None:
-    for k, dep in enumerate(ids):
-        register_deployment(
-            store,
-            deployment_id=dep,
-            round_=k,
-            checkpoint_id=dep,
-            path="p",
-            quant_format="nvfp4",
-            sampling_json="{}",
-        )
-
-
-def _reject(i: int) -> dict:
-    return {
-        "table_name": "calls",
-        "round": 1,
-        "record_id": f"r{i}",
-        "reason": "x",
-        "record_json": "{}",
-        "rejected_at": NOW,
-    }
 
 
 def test_moving_live_answers_whether_it_moved_and_its_commit_carries_the_metadata(tmp_path):
