@@ -33,7 +33,9 @@ from resources.lab import LabResource
 from resources.store import StoreResource
 
 CANARY_TAG = "prodrl/canary"
-"""The canary a `canary_job` run decides."""
+"""The canary a `canary_job` run decides (on the runs the sensor requests)."""
+DECISION_TAG = "prodrl/decision"
+"""On every `canary_job` run: instance.yaml runs one at a time (the claim is safe regardless)."""
 
 
 class CanaryDecisionConfig(Config):
@@ -63,21 +65,28 @@ def decide_canary(
     row = canaries.of_round(rows, round_id(lab.experiment, config.round))
     if row is None:
         raise Failure(description=f"round {config.round} of {lab.experiment} has no canary")
-    if row["status"] != canaries.OPEN:
+    if row["status"] not in canaries.UNDECIDED:
         raise Failure(
             description=f"canary {row['canary_id']} was decided already: {row['status']} by "
             f"{row['decided_by']} ({row['reason']})"
         )
     verdict, versions = canaries.evaluate(tables, rows, row, datetime.now(UTC))
-    if not by_hand and verdict.decision == "wait":
-        context.log.info(f"canary {row['canary_id']}: {verdict.reason}; nothing decided")
-        return
-    promote = config.decision == "promote" or (not by_hand and verdict.decision == "promote")
-    decided_by, reason = canaries.BY_RULE, verdict.reason
-    if by_hand:
-        decided_by = config.operator.strip()
-        reason = f"{config.decision} by {decided_by}: {config.reason.strip()} (the rule: {verdict.reason})"
-    closed = canaries.settle(tables, row, promote, decided_by, reason, verdict.numbers())
+    try:
+        if row["status"] == canaries.PROMOTING:  # claimed by a run that died before it finished
+            context.log.info(f"canary {row['canary_id']}: finishing the promotion {row['reason']!r}")
+            closed = canaries.finish(tables, row)
+        else:
+            if not by_hand and verdict.decision == "wait":
+                context.log.info(f"canary {row['canary_id']}: {verdict.reason}; nothing decided")
+                return
+            promote = config.decision == "promote" or (not by_hand and verdict.decision == "promote")
+            decided_by, reason = canaries.BY_RULE, verdict.reason
+            if by_hand:
+                decided_by = config.operator.strip()
+                reason = f"{config.decision} by {decided_by}: {config.reason.strip()} (the rule: {verdict.reason})"
+            closed = canaries.settle(tables, row, promote, decided_by, reason, verdict.numbers())
+    except canaries.AlreadyDecided as e:  # a concurrent run's decision applied, not this one
+        raise Failure(description=str(e)) from e
     live = tables.live_deployment()["deployment_id"]
     context.log.info(f"canary {row['canary_id']}: {closed['reason']}; live is {live}")
     context.log_event(
@@ -118,6 +127,7 @@ def _metadata(row: dict, verdict: Verdict, live: str) -> dict:
 
 
 @job(
+    tags={DECISION_TAG: "canary"},
     description="Decide a round's production canary: by the gate's rule (the sensor launches it), or "
     "promote / roll_back by hand (config: round, decision, operator, reason)"
 )
@@ -137,12 +147,18 @@ def canary_sensor(minimum_interval_seconds: int = 30) -> SensorDefinition:
 
 def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabResource):
     """Requests `canary_job` for the active canary once its rule can decide (run key: the canary,
-    so it is requested once); says why it waits otherwise."""
+    so it is requested once), or to finish a promotion a dead run left; says why it waits otherwise."""
     tables = store.tables()
     found = canaries.active(canaries.canaries(tables)) if tables.exists("canaries") else None
     if found is None:
         return SkipReason("no open canary")
     row = found[0]
+    if row["status"] == canaries.PROMOTING:  # its deciding run died mid-promotion: finish it
+        return RunRequest(
+            run_key=f"{row['canary_id']}:finish",
+            run_config={"ops": {"decide_canary": {"config": {"round": row["round"]}}}},
+            tags={CANARY_TAG: row["canary_id"]},
+        )
     verdict, _ = canaries.evaluate(tables, canaries.canaries(tables), row, datetime.now(UTC))
     if verdict.decision == "wait":
         wait = canaries.config_of(row).max_wait_hours

@@ -110,7 +110,7 @@ def _undecided(tables: DeltaStore, experiment: str) -> set[int]:
     return {
         r["round"]
         for r in newest.values()
-        if r["status"] == canaries.OPEN and r["deployment_id"] == round_id(experiment, r["round"])
+        if r["status"] in canaries.UNDECIDED and r["deployment_id"] == round_id(experiment, r["round"])
     }
 
 

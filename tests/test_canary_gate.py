@@ -131,3 +131,57 @@ def test_an_operator_overrides_the_gate_from_the_job_config_and_the_next_round_w
             _run(instance, resources, round=1, decision="promote", operator="bob", reason="changed my mind")
         with build_sensor_context(instance=instance, resources=resources) as ctx:
             assert round_sensor()(ctx).run_requests[0].partition_key == "r000002"  # decided: round 2 starts
+
+
+def test_of_a_rule_run_and_an_override_that_both_read_open_exactly_one_decision_applies(tmp_path):
+    resources = _resources(tmp_path, source="production")
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        canary = _open(tables, 1)
+        tables.append("landing_feedback", [_feedback(t) for t in _canary_traffic(tables, canary, 40)])
+        stale = canaries.of_round(canaries.canaries(tables), "main-r000001")  # what both runs read
+        (check,) = _run(instance, resources, round=1, decision="roll_back", operator="bob", reason="tickets")
+        assert not check.passed
+        with pytest.raises(canaries.AlreadyDecided, match="decided already: rolled_back by bob"):
+            canaries.settle(tables, stale, True, canaries.BY_RULE, "promoted: the rule", {})
+        row = canaries.of_round(canaries.canaries(tables), "main-r000001")
+        assert (row["status"], row["decided_by"]) == (canaries.ROLLED_BACK, "bob")
+        assert tables.live_deployment()["deployment_id"] == "base"  # the losing promotion moved nothing
+        assert canary_job.tags["prodrl/decision"] == "canary"  # instance.yaml runs these one at a time
+
+
+def test_a_promotion_whose_run_died_after_its_claim_is_finished_by_the_next_run(tmp_path):
+    resources = _resources(tmp_path, source="production")
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        canary = _open(tables, 1)
+        canaries.close(tables, canary, canaries.PROMOTING, canaries.BY_RULE, "promoted: the rule", {})
+        assert tables.live_deployment()["deployment_id"] == "base"  # the run died here
+        request = _tick(instance, resources)
+        assert request.run_key == f"{canary['canary_id']}:finish"
+        (check,) = _run(instance, resources, **request.run_config["ops"]["decide_canary"]["config"])
+        assert check.passed and check.description == "promoted: the rule"
+        assert tables.live_deployment()["deployment_id"] == "main-r000001"
+        assert canaries.of_round(canaries.canaries(tables), "main-r000001")["status"] == canaries.PROMOTED
+
+
+def test_a_canary_queued_behind_a_promoted_one_is_judged_against_the_new_live_and_can_pass(tmp_path):
+    resources = _resources(tmp_path, source="production")
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        first = _open(tables, 1)
+        queued = _open(tables, 2)  # async1: round 2 deployed while round 1's canary runs, against base
+        assert queued["control_id"] == "base"
+        tables.append("landing_feedback", [_feedback(t) for t in _canary_traffic(tables, first, 40)])
+        (check,) = _run(instance, resources, round=1)
+        assert check.passed and tables.live_deployment()["deployment_id"] == "main-r000001"
+        active, _ = canaries.active(canaries.canaries(tables))
+        assert (active["canary_id"], active["control_id"]) == (queued["canary_id"], "main-r000001")
+        tids = _canary_traffic(tables, active, 40)  # the gateway serves the control arm from live
+        tables.append("landing_feedback", [_feedback(t) for t in tids])
+        (check,) = _run(instance, resources, round=2)
+        assert check.passed and check.metadata["n_control"].value > 0
+        assert tables.live_deployment()["deployment_id"] == "main-r000002"

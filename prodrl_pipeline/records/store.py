@@ -411,6 +411,37 @@ class DeltaStore:
             "version": dt.version(),
         }
 
+    def replace_if(self, table: str, row: dict, key: str, condition: str, attempts: int = 5) -> bool:
+        """Compare-and-set of one row: replace the row whose `key` equals `row[key]` by `row` only if
+        the stored row matches `condition` (SQL over it as `t`, e.g. "t.status = 'open'"), judged at
+        the version the commit lands on (a commit that loses a race is judged again from the new
+        version). Returns whether the row was replaced."""
+        data = self._conform(table, [row])
+        for _ in range(attempts):
+            try:
+                with self._latest(table) as dt:
+                    if dt is None:
+                        return False
+                    metrics = (
+                        dt.merge(
+                            data,
+                            f"t.{key} = s.{key}",
+                            source_alias="s",
+                            target_alias="t",
+                            commit_properties=self._commit({"replace_if": condition}),
+                            post_commithook_properties=NO_HOOKS,
+                        )
+                        .when_matched_update_all(predicate=condition)
+                        .execute()
+                    )
+                    if metrics["num_target_rows_updated"]:
+                        self._checkpoint(table, dt, dt.version())
+                        self._seen(self.versions_written, table, dt.version())
+                    return metrics["num_target_rows_updated"] > 0
+            except CommitFailedError:  # another writer committed since the read: judge again
+                continue
+        raise RuntimeError(f"table {table!r} kept changing; {key} = {row[key]!r} not replaced")
+
     def set_live(self, deployment_id: str) -> None:
         """Move the live pointer: one atomic commit flips `live` on the deployments registry."""
         self.move_live(deployment_id, lambda _: True)

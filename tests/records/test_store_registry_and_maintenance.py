@@ -149,3 +149,29 @@ def test_moving_live_on_a_registry_made_before_the_store_s_properties_deletes_no
     store.set_live("r1")
     assert sorted(p.name for p in log.glob("*.json")) == [f"{v:020d}.json" for v in range(3)]
     assert store.read("deployments", version=0).to_pylist()[0]["deployment_id"] == "base"
+
+
+def test_replacing_a_row_if_it_still_matches_lets_exactly_one_of_racing_writers_win(tmp_path):
+    import threading
+
+    _register(DeltaStore(tmp_path), "base", "r1", "r2")
+    stores = [DeltaStore(tmp_path) for _ in range(4)]
+    row = stores[0].read("deployments").to_pylist()[1]  # r1
+    gate, won = threading.Barrier(len(stores)), []
+
+    def decide(i: int) -> None:
+        gate.wait()
+        if stores[i].replace_if("deployments", {**row, "path": f"w{i}"}, "deployment_id", "t.path = 'p'"):
+            won.append(i)
+
+    threads = [threading.Thread(target=decide, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1
+    paths = {r["deployment_id"]: r["path"] for r in stores[0].read("deployments").to_pylist()}
+    assert paths == {"base": "p", "r1": f"w{won[0]}", "r2": "p"}  # one row replaced, by the winner
+    assert not stores[0].replace_if("deployments", {**row, "path": "late"}, "deployment_id", "t.path = 'p'")
+    assert not stores[0].replace_if("deployments", {**row, "deployment_id": "r9"}, "deployment_id", "true")
+    assert not DeltaStore(tmp_path / "none").replace_if("deployments", row, "deployment_id", "true")
