@@ -2,6 +2,7 @@
 resume after an interruption, and the report."""
 
 import hashlib
+import math
 
 import pytest
 from dagster import AssetKey, instance_for_test
@@ -13,10 +14,17 @@ from prodrl_pipeline.evals.study import (
     f_sf,
     run_order,
     seed_difference,
+    COMPARISONS,
+    f_quantile,
+    mde,
     t975,
+    t_quantile,
     variance_p,
     verdict,
 )
+from prodrl_pipeline.evals.study_report import finding
+from prodrl_pipeline.evals.gate import paired_difference
+from prodrl_pipeline.records.store import DeltaStore
 from tests.test_pipeline import TINY
 
 
@@ -50,6 +58,17 @@ def test_study_runs_resumes_and_reports(tmp_path):
             ):
                 run_study(instance, root, ["sc16"], [0], rounds=2, defaults=TINY)
 
+        # the compared round-2 evaluations replaced by known ones: sc16 solves 12 of the 16 held-out
+        # puzzles, retok16 4 of those: d = 1 on 8 puzzles, 0 on 8, mean 0.5, se sqrt(4/15)/4
+        tables = DeltaStore(str(root / "sc16" / "s0" / "tables"))
+        rows = [r for r in tables.read("eval_results").to_pylist() if r["round"] == 2]
+        ids = sorted({r["puzzle_id"] for r in rows})
+        assert len(ids) == 16
+        known = [
+            {**r, "solved": ids.index(r["puzzle_id"]) < (12 if r["deployment_id"] == "sc16-r000002" else 4)}
+            for r in rows
+        ]
+        tables.overwrite("eval_results", known, "round = 2")
         out = tmp_path / "docs" / "results.md"
         report(instance, root, [0], out)
         shown = instance.get_latest_materialization_event(
@@ -63,7 +82,10 @@ def test_study_runs_resumes_and_reports(tmp_path):
     )
     cells = [c.strip() for c in row.strip().strip("|").split("|")]
     assert cells[3] == "2" and cells[7] == "1"  # compared at round 2, one seed
-    assert cells[8] in {"reproduced", "not reproduced", "inconclusive"}
+    se = (4 / 15) ** 0.5 / 4
+    low, high = 0.5 - 1.96 * se, 0.5 + 1.96 * se
+    assert cells[4:7] == ["0.750", "0.250", f"+0.500 ({low:+.3f} to {high:+.3f})"]
+    assert cells[8:] == [f"{2.801585 * se:.3f}", "reproduced"]  # (z.975 + z.80) se
     assert "not run" in next(line for line in text.splitlines() if "reference-model IS" in line)
     for png in ("a_heldout_solve_rate.png", "a_engine_mismatch.png"):
         assert (out.parent / "results" / png).read_bytes()[:4] == b"\x89PNG"
@@ -84,6 +106,28 @@ def test_replays_run_after_their_source_and_verdicts_follow_the_interval():
     assert verdict("less_variance", p=variance_p(0.001, 0.01, 3)) == "reproduced"  # p = 0.0099
     assert verdict("less_variance", p=variance_p(0.01, 0.001, 3)) == "not reproduced"
     assert seed_difference([0.02], single_seed_se=0.005).low == 0.02 - 1.96 * 0.005
-    # Student's t with 2 degrees of freedom (4.303), not a normal quantile
-    assert seed_difference([0.0, 0.03, 0.06]).high == pytest.approx(0.03 + 4.303 * 0.03 / 3**0.5)
-    assert t975(30) == pytest.approx(2.042, abs=2e-3) and t975(9) == 2.262
+    # Student's t with 2 degrees of freedom (4.302653), not a normal quantile
+    assert seed_difference([0.0, 0.03, 0.06]).high == pytest.approx(0.03 + 4.302653 * 0.03 / 3**0.5)
+    assert t975(30) == pytest.approx(2.0423, abs=1e-4) and t975(9) == pytest.approx(2.2622, abs=1e-4)
+
+
+def test_each_finding_states_the_difference_its_seeds_could_detect():
+    """MDE at 80% power against textbook quantiles: t.975(2) = 4.3027, t.80(2) = 1.0607,
+    F.95(2, 2) = 19, F.80(2, 2) = 4; and the finding built from known per-seed results."""
+    assert t_quantile(0.8, 2) == pytest.approx(1.0607, abs=1e-4)
+    assert f_quantile(0.95, 2, 2) == pytest.approx(19.0) and f_quantile(0.8, 2, 2) == pytest.approx(4.0)
+    assert mde("better", 3, sd=0.01) == pytest.approx((4.3027 + 1.0607) * 0.01 / 3**0.5, abs=1e-5)
+    assert mde("less_variance", 3) == pytest.approx(76**0.5) and mde("less_variance", 2) == math.inf
+    solved = {f"p{i}": i < 50 for i in range(100)}
+    pairs = [  # A solves 3, 4, 5 more puzzles than B in seeds 0, 1, 2: differences 0.03, 0.04, 0.05
+        paired_difference(solved | {f"p{i}": True for i in range(50, 50 + extra)}, solved)
+        for extra in (3, 4, 5)
+    ]
+    cmp = next(c for c in COMPARISONS if c.kind == "better")
+    got = finding(cmp, 20, pairs)
+    assert got["verdict"] == "reproduced" and got["mde"] == f"{(4.3027 + 1.0607) * 0.01 / 3**0.5:.3f}"
+    close = [paired_difference(solved | {"p50": True}, solved), paired_difference(solved, solved | {"p50": True})]
+    got = finding(cmp, 20, close + [paired_difference(solved, solved)])  # +0.01, -0.01, 0: sd 0.01
+    assert got["verdict"] == "inconclusive (MDE 0.031)" and got["A − B (95% CI)"].startswith("+0.000")
+    spread = next(c for c in COMPARISONS if c.kind == "less_variance")
+    assert finding(spread, 20, pairs)["mde"] == "sd ratio 8.7x"

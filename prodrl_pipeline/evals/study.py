@@ -22,18 +22,61 @@ NO_WORSE_FRACTION = 0.25
 """"Does not hurt": A - B's lower bound stays above minus this fraction of B's gain over the base
 (a margin tied to what training achieves, not to a fixed number of points)."""
 VARIANCE_ALPHA = 0.05  # "less variance": a one-sided F-test on the seeds' variances at this level
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+POWER = 0.80
+"""The power at which each comparison's minimum detectable difference (MDE) is stated."""
+PILOT_SD = 0.0043
+"""Planning value of the sd over seeds of one final-round difference A - B: the root mean square of
+the 10 non-zero comparisons' seed sds in the 3-round, 3-seed study this design replaced (each sd
+recovered from its 95% interval's half-width h as h sqrt(3) / t_.975(2))."""
 STUDY_DEFAULTS: Mapping[str, object] = {"gate_margin": 1.0}
 """Lab settings every configuration shares. The deploy gate is opened: a configuration that
 regresses must still deploy and be measured (a held-back deployment would change its traffic)."""
 
 
+def _bisect(cdf, q: float, high: float) -> float:  # noqa: ANN001
+    """x >= 0 with cdf(x) = q for an increasing cdf, to 1e-10 relative."""
+    low = 0.0
+    while cdf(high) < q:
+        low, high = high, 2 * high
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < q else (low, mid)
+        if high - low <= 1e-10 * high:
+            break
+    return (low + high) / 2
+
+
+def t_quantile(q: float, df: int) -> float:
+    """Student's t quantile for q in [0.5, 1): P(T <= t) = 1 - I_x(df/2, 1/2) / 2, x = df / (df + t^2)."""
+    if not 0.5 <= q < 1:
+        raise ValueError(f"q must be in [0.5, 1), got {q}")
+    return _bisect(lambda t: 1 - _beta_inc(df / 2, 0.5, df / (df + t * t)) / 2, q, 1.0)
+
+
 def t975(df: int) -> float:
-    """Student's t 97.5% quantile: exact to 3 decimals for df < 10, a Cornish-Fisher expansion above."""
-    if df in _T975:
-        return _T975[df]
-    z = 1.959964
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+    return t_quantile(0.975, df)
+
+
+def f_quantile(q: float, d1: int, d2: int) -> float:
+    """Snedecor's F quantile: P(F <= f) = q."""
+    return _bisect(lambda f: 1 - f_sf(f, d1, d2), q, 1.0)
+
+
+def mde(kind: str, seeds: int, sd: float = PILOT_SD, single_seed_se: float | None = None) -> float:
+    """The smallest true effect a comparison detects with probability POWER. `better` / `no_worse`
+    (a difference; from the margin for no_worse): (t_.975(n-1) + t_POWER(n-1)) sd / sqrt(n) over
+    n >= 2 seeds, sd that of the per-seed differences; (z_.975 + z_POWER) se with one seed.
+    `less_variance`: the ratio sd_B / sd_A = sqrt(F_.95(d, d) F_POWER(d, d)), d = n - 1, at which
+    the one-sided F-test at VARIANCE_ALPHA rejects with probability POWER (inf below 3 seeds)."""
+    if kind == "less_variance":
+        if seeds < 3:
+            return math.inf
+        d = seeds - 1
+        return math.sqrt(f_quantile(1 - VARIANCE_ALPHA, d, d) * f_quantile(POWER, d, d))
+    if seeds == 1:
+        z975, z_power = 1.959964, 0.841621
+        return (z975 + z_power) * (single_seed_se if single_seed_se is not None else sd)
+    return (t975(seeds - 1) + t_quantile(POWER, seeds - 1)) * sd / math.sqrt(seeds)
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prodrl_pipeline.evals.gate import paired_difference
+from prodrl_pipeline.evals.gate import PairedDifference, paired_difference
 from prodrl_pipeline.evals.report import curves_png, gain_over_base, markdown_table
 from prodrl_pipeline.evals.study import (
     COMPARISONS,
     CONFIGS,
     NO_WORSE_FRACTION,
+    PILOT_SD,
+    POWER,
     StudyConfig,
     config,
+    mde,
     seed_difference,
     store_name,
     variance_p,
@@ -132,6 +135,12 @@ def _header(root: Path, seeds: Sequence[int]) -> list[str]:
         "(1.2M parameters), the rounds (3), the batch (64) and the evaluation (greedy, 1,268 puzzles).",
         "With 3 seeds a difference between configurations is resolved to about +-1 point.",
         "",
+        f"Design, before running: with the pilot's seed sd of a difference ({PILOT_SD:.4f}) and "
+        f"{len(seeds)} seed(s), a comparison detects with {POWER:.0%} power a true difference of "
+        f"{mde('better', len(seeds)):.3f} (from 0, or from the margin for \"does not hurt\"), and the "
+        f"variance claim an sd ratio of {mde('less_variance', len(seeds)):.1f}x. Each finding states the "
+        "MDE its seeds' observed sd gives (one seed: its paired se).",
+        "",
         "| configuration | settings | traffic |",
         "|---|---|---|",
         *(
@@ -145,49 +154,66 @@ def _header(root: Path, seeds: Sequence[int]) -> list[str]:
 
 def _finding(root: Path, cmp, curves: dict[str, dict[int, list[dict]]], seeds: Sequence[int]) -> dict:  # noqa: ANN001
     """One comparison at the last round both configurations finished in every seed."""
-    row = {"finding": cmp.claim, "A": cmp.a, "B": cmp.b}
     last = {n: {s: rows[-1]["round"] for s, rows in curves[n].items()} for n in (cmp.a, cmp.b)}
     k = min((min(last[n].get(s, 0) for n in last) for s in seeds), default=0)
     if k == 0:
-        return {**row, "round": None, "seeds": 0, "verdict": "not run"}
-    diffs, ses, rates_a, rates_b = [], [], [], []
-    for s in seeds:
-        d = paired_difference(_results(root, config(cmp.a), s, k), _results(root, config(cmp.b), s, k))
-        diffs.append(d.diff)
-        ses.append(d.se)
-        rates_a.append(d.rate)
-        rates_b.append(d.baseline_rate)
-    diff = seed_difference(diffs, ses[0] if len(diffs) == 1 else None)
+        return finding(cmp, 0, [])
+    pairs = [
+        paired_difference(_results(root, config(cmp.a), s, k), _results(root, config(cmp.b), s, k))
+        for s in seeds
+    ]
+    gain = None
+    if cmp.kind == "no_worse":
+        gain = statistics.fmean(gain_over_base(_tables(root, config(cmp.b), s), cmp.b, k).diff for s in seeds)
+    return finding(cmp, k, pairs, gain)
+
+
+def finding(cmp, k: int, pairs: Sequence[PairedDifference], b_gain: float | None = None) -> dict:  # noqa: ANN001
+    """Comparison `cmp` at round `k` from each seed's paired held-out difference A - B (`pairs`):
+    the difference with its interval, the margin (`no_worse`: NO_WORSE_FRACTION of `b_gain`, B's
+    mean gain over the base), the MDE at POWER this design had (from the seeds' sd of the
+    differences; one seed: its paired se) and the verdict; "inconclusive" carries that MDE."""
+    row = {"finding": cmp.claim, "A": cmp.a, "B": cmp.b}
+    if not pairs:
+        return {**row, "round": None, "seeds": 0, "mde": None, "verdict": "not run"}
+    diffs = [d.diff for d in pairs]
+    n = len(diffs)
+    diff = seed_difference(diffs, pairs[0].se if n == 1 else None)
     margin, p = 0.0, None
     shown = f"{diff.mean:+.3f} ({diff.low:+.3f} to {diff.high:+.3f})"
-    if cmp.kind == "no_worse":  # a quarter of what B's training gained over the base
-        gain = statistics.fmean(gain_over_base(_tables(root, config(cmp.b), s), cmp.b, k).diff for s in seeds)
-        margin = NO_WORSE_FRACTION * max(gain, 0.0)
+    detectable = mde(cmp.kind, n, statistics.stdev(diffs) if n > 1 else 0.0, pairs[0].se)
+    mde_shown = f"{detectable:.3f}"
+    if cmp.kind == "no_worse":
+        margin = NO_WORSE_FRACTION * max(b_gain or 0.0, 0.0)
         shown += f"; margin -{margin:.3f}"
     if cmp.kind == "less_variance":
-        if len(diffs) > 2:
-            sd_a, sd_b = statistics.stdev(rates_a), statistics.stdev(rates_b)
-            p = variance_p(sd_a, sd_b, len(diffs))
+        mde_shown = f"sd ratio {detectable:.1f}x" if n > 2 else "needs 3 seeds"
+        if n > 2:
+            sd_a = statistics.stdev(d.rate for d in pairs)
+            sd_b = statistics.stdev(d.baseline_rate for d in pairs)
+            p = variance_p(sd_a, sd_b, n)
             shown = f"sd over seeds {sd_a:.3f} vs {sd_b:.3f} (F-test p {p:.2f})"
         else:
             shown = "needs 3 seeds"
+    said = verdict(cmp.kind, diff, margin, p)
     return {
         **row,
         "round": k,
-        "rate_A": statistics.fmean(rates_a),
-        "rate_B": statistics.fmean(rates_b),
+        "rate_A": statistics.fmean(d.rate for d in pairs),
+        "rate_B": statistics.fmean(d.baseline_rate for d in pairs),
         "A − B (95% CI)": shown,
-        "seeds": diff.seeds,
-        "verdict": verdict(cmp.kind, diff, margin, p),
+        "seeds": n,
+        "mde": mde_shown,
+        "verdict": f"inconclusive (MDE {mde_shown})" if said == "inconclusive" else said,
     }
 
 
 def _finding_line(f: dict) -> str:
     if f["verdict"] == "not run":
-        return f"| {f['finding']} | {f['A']} | {f['B']} | - | - | - | - | 0 | not run |"
+        return f"| {f['finding']} | {f['A']} | {f['B']} | - | - | - | - | 0 | - | not run |"
     return (
         f"| {f['finding']} | {f['A']} | {f['B']} | {f['round']} | {f['rate_A']:.3f} | {f['rate_B']:.3f} | "
-        f"{f['A − B (95% CI)']} | {f['seeds']} | {f['verdict']} |"
+        f"{f['A − B (95% CI)']} | {f['seeds']} | {f['mde']} | {f['verdict']} |"
     )
 
 
@@ -253,8 +279,8 @@ def build_report(root: Path, seeds: Sequence[int], fidelity: str = "") -> StudyR
         *_header(root, seeds),
         "## Findings",
         "",
-        "| finding | A | B | round | A | B | A − B (95% CI) | seeds | verdict |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| finding | A | B | round | A | B | A − B (95% CI) | seeds | MDE (80% power) | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *map(_finding_line, findings),
         "",
         "## Curves",
