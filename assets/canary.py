@@ -83,7 +83,9 @@ def decide_canary(
             decided_by, reason = canaries.BY_RULE, verdict.reason
             if by_hand:
                 decided_by = config.operator.strip()
-                reason = f"{config.decision} by {decided_by}: {config.reason.strip()} (the rule: {verdict.reason})"
+                reason = (
+                    f"{config.decision} by {decided_by}: {config.reason.strip()} (the rule: {verdict.reason})"
+                )
             closed = canaries.settle(tables, row, promote, decided_by, reason, verdict.numbers())
     except canaries.AlreadyDecided as e:  # a concurrent run's decision applied, not this one
         raise Failure(description=str(e)) from e
@@ -129,7 +131,7 @@ def _metadata(row: dict, verdict: Verdict, live: str) -> dict:
 @job(
     tags={DECISION_TAG: "canary"},
     description="Decide a round's production canary: by the gate's rule (the sensor launches it), or "
-    "promote / roll_back by hand (config: round, decision, operator, reason)"
+    "promote / roll_back by hand (config: round, decision, operator, reason)",
 )
 def canary_job() -> None:
     decide_canary()

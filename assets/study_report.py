@@ -8,7 +8,18 @@ from dagster import Config, MaterializeResult, MetadataValue, asset
 from assets import metadata
 from prodrl_pipeline.evals.study_report import build_report
 
-FINDING_COLUMNS = ["finding", "A", "B", "round", "rate_A", "rate_B", "A − B (95% CI)", "seeds", "mde", "verdict"]
+FINDING_COLUMNS = [
+    "finding",
+    "A",
+    "B",
+    "round",
+    "rate_A",
+    "rate_B",
+    "A − B (95% CI)",
+    "seeds",
+    "mde",
+    "verdict",
+]
 
 
 class StudyReportConfig(Config):

@@ -8,22 +8,22 @@ import pytest
 from dagster import AssetKey, instance_for_test
 
 from assets.study import report, run_study
+from prodrl_pipeline.evals.gate import paired_difference
 from prodrl_pipeline.evals.study import (
+    COMPARISONS,
     Difference,
     StudyConfig,
+    f_quantile,
     f_sf,
+    mde,
     run_order,
     seed_difference,
-    COMPARISONS,
-    f_quantile,
-    mde,
     t975,
     t_quantile,
     variance_p,
     verdict,
 )
 from prodrl_pipeline.evals.study_report import finding
-from prodrl_pipeline.evals.gate import paired_difference
 from prodrl_pipeline.records.store import DeltaStore
 from tests.test_pipeline import TINY
 
@@ -126,7 +126,10 @@ def test_each_finding_states_the_difference_its_seeds_could_detect():
     cmp = next(c for c in COMPARISONS if c.kind == "better")
     got = finding(cmp, 20, pairs)
     assert got["verdict"] == "reproduced" and got["mde"] == f"{(4.3027 + 1.0607) * 0.01 / 3**0.5:.3f}"
-    close = [paired_difference(solved | {"p50": True}, solved), paired_difference(solved, solved | {"p50": True})]
+    close = [
+        paired_difference(solved | {"p50": True}, solved),
+        paired_difference(solved, solved | {"p50": True}),
+    ]
     got = finding(cmp, 20, close + [paired_difference(solved, solved)])  # +0.01, -0.01, 0: sd 0.01
     assert got["verdict"] == "inconclusive (MDE 0.031)" and got["A − B (95% CI)"].startswith("+0.000")
     spread = next(c for c in COMPARISONS if c.kind == "less_variance")

@@ -4,10 +4,12 @@ cell on lab mate-in-1 decisions, as JSON rows and markdown (docs/results.md, "Gr
     python -m prodrl_pipeline.evals.fidelity_study [--states 24] [--checkpoint DIR] \
         [--out docs/results/fidelity]
 
-theta_k is the lab's base model (built and warm-started as the `base_model` asset does, or
-`--checkpoint`). Staleness: theta after 0, S/2, S, 2S Adam steps (the trainer's lr, betas and
-clip) from theta_k on the exact objective of the same states; pi_k and every deployment stay at
-theta_k. The engine axis is `ENGINES`: a deployment served from theta_k's export.
+The deployment is the lab's base model (built and warm-started as the `base_model` asset does,
+or `--checkpoint`); the engine axis is `ENGINES`, each serving its export. Schedules: sync, the
+trainer's round start pi_k is the deployment's theta; async1, pi_k is S Adam steps further (the
+round trains from the checkpoint of a round whose deployment is not live yet). Staleness: theta
+after 0, S/2, S, 2S Adam steps (the trainer's lr, betas and clip) from pi_k on the exact
+objective of the same states.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ ESTIMATORS: dict[str, EstimatorConfig] = {
 SUPPORTS: dict[str, tuple[int, float]] = {"full": (0, 1.0), "top_p_0.95": (0, 0.95), "top_k_20": (20, 1.0)}
 """(top_k, top_p) of the deployment's sampling."""
 STALENESS = (0.0, 0.5, 1.0, 2.0)  # x S optimizer steps
+SCHEDULES = {"sync": 0, "async1": 1}
+"""Rounds of S steps between the deployment's theta and the trainer's round start pi_k."""
 HEAD_SIZE = 20  # the lab engine's recorded top_logprobs
 Served = Callable[[PreTrainedModel, Path], PreTrainedModel]
 ENGINES: dict[str, Served] = {
@@ -87,6 +91,13 @@ def _drift(model: PreTrainedModel, states: list[Decision], steps: int, opt: torc
         opt.step()
 
 
+def _mean_abs_drift(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Mean over states and legal moves of |log softmax(a) - log softmax(b)|."""
+    return sum(
+        float(((x - x.logsumexp(0)) - (y - y.logsumexp(0))).abs().mean()) for x, y in zip(a, b, strict=True)
+    ) / len(a)
+
+
 def base_policy(tokenizer, data_dir: str, checkpoint: str | None) -> PreTrainedModel:  # noqa: ANN001
     """theta_k: a checkpoint, or the lab's base model (its default architecture, seed and warm start)."""
     if checkpoint:
@@ -109,19 +120,24 @@ def run(
     steps: int,
     n_boot: int,
     engines: tuple[str, ...] = tuple(ENGINES),
+    schedule: str = "sync",
 ) -> list[dict]:
-    """One row per estimator x staleness x engine x support cell."""
-    round_start = _logits(model, states)
+    """One row per estimator x staleness x engine x support cell of `schedule`."""
     served: dict[str, list[torch.Tensor]] = {}
     with tempfile.TemporaryDirectory() as folder:
         export_deployment(model, folder, "nvfp4", calibration=[d.prompt_ids for d in states])
         for name in engines:
             served[name] = _logits(ENGINES[name](model, Path(folder)), states)
         dequantized = _logits(load_deployment(folder), states)
-    reference = {name: round_start if name == "fp32" else dequantized for name in engines}
+    deployed = _logits(model, states)  # the deployment's theta in the trainer's precision
+    reference = {name: deployed if name == "fp32" else dequantized for name in engines}  # ref_is's
     trainer = TrainerConfig()
     policy = copy.deepcopy(model)
     opt = torch.optim.Adam(policy.parameters(), lr=trainer.lr, betas=(trainer.beta1, trainer.beta2))
+    ahead = SCHEDULES[schedule] * steps
+    _drift(policy, states, ahead, opt)
+    round_start = _logits(policy, states)
+    behind = _mean_abs_drift(round_start, deployed)
     rows, taken, t0 = [], 0, time.perf_counter()
     for factor in STALENESS:
         _drift(policy, states, round(factor * steps) - taken, opt)
@@ -146,10 +162,7 @@ def run(
                     exact_coefficients(z, torch.isfinite(m), d.rewards)
                     for z, m, d in zip(current, log_mu, states, strict=True)
                 ]
-                staleness = sum(
-                    float(((z - z.logsumexp(0)) - (k - k.logsumexp(0))).abs().mean())
-                    for z, k in zip(current, round_start, strict=True)
-                ) / len(states)
+                staleness = _mean_abs_drift(current, round_start)
                 for name, cfg in ESTIMATORS.items():
                     expected, moments = [], []
                     for s, d in enumerate(states):
@@ -161,12 +174,14 @@ def run(
                     rows.append(
                         {
                             "estimator": name,
+                            "schedule": schedule,
                             "staleness_steps": taken,
                             "engine": engine,
                             "support": support,
                             "n_states": len(states),
                             "batch_size": batch_size,
                             "mean_abs_logprob_drift": staleness,
+                            "round_start_drift": behind,
                             **summarize(cell, gram, batch_size, n_boot),
                         }
                     )
@@ -180,29 +195,40 @@ CELL = (
 
 
 def markdown(rows: list[dict], steps: int) -> str:
-    """One table per engine x support: estimators by staleness; each cell the cosine, the relative
-    bias and the relative minibatch variance, the first two with their 95% bootstrap intervals."""
-    stale = sorted({r["staleness_steps"] for r in rows})
-    drift = {r["staleness_steps"]: r["mean_abs_logprob_drift"] for r in rows}
-    out = [
-        "Staleness, mean over states and legal moves of |log pi - log pi_k|: "
-        + ", ".join(f"{drift[s]:.3f} nats after {s} steps" for s in stale)
-        + ".",
-        "",
-    ]
-    for engine in dict.fromkeys(r["engine"] for r in rows):
-        for support in dict.fromkeys(r["support"] for r in rows):
-            cells = {
-                (r["estimator"], r["staleness_steps"]): r
-                for r in rows
-                if r["engine"] == engine and r["support"] == support
-            }
-            out += [f"#### {engine}, {support}", ""]
-            out.append("| estimator | " + " | ".join(f"{s} steps ({s / steps:g} S)" for s in stale) + " |")
-            out.append("|---|" + "---|" * len(stale))
-            for name in dict.fromkeys(e for e, _ in cells):
-                out.append(f"| {name} | " + " | ".join(CELL.format(**cells[name, s]) for s in stale) + " |")
-            out.append("")
+    """Per schedule, one table per engine x support: estimators by staleness; each cell the cosine,
+    the relative bias and the relative minibatch variance, the first two with their 95% bootstrap
+    intervals."""
+    out = []
+    for schedule in dict.fromkeys(r.get("schedule", "sync") for r in rows):
+        mine = [r for r in rows if r.get("schedule", "sync") == schedule]
+        stale = sorted({r["staleness_steps"] for r in mine})
+        drift = {r["staleness_steps"]: r["mean_abs_logprob_drift"] for r in mine}
+        behind = mine[0].get("round_start_drift", 0.0)
+        out += [
+            f"Schedule {schedule}: pi_k is {SCHEDULES[schedule] * steps} steps from the deployment's theta "
+            f"({behind:.3f} nats, mean |log pi_k - log pi_theta_dep|); staleness, mean over states and "
+            "legal moves of |log pi - log pi_k|: "
+            + ", ".join(f"{drift[s]:.3f} nats after {s} steps" for s in stale)
+            + ".",
+            "",
+        ]
+        for engine in dict.fromkeys(r["engine"] for r in mine):
+            for support in dict.fromkeys(r["support"] for r in mine):
+                cells = {
+                    (r["estimator"], r["staleness_steps"]): r
+                    for r in mine
+                    if r["engine"] == engine and r["support"] == support
+                }
+                out += [f"#### {schedule}, {engine}, {support}", ""]
+                out.append(
+                    "| estimator | " + " | ".join(f"{s} steps ({s / steps:g} S)" for s in stale) + " |"
+                )
+                out.append("|---|" + "---|" * len(stale))
+                for name in dict.fromkeys(e for e, _ in cells):
+                    out.append(
+                        f"| {name} | " + " | ".join(CELL.format(**cells[name, s]) for s in stale) + " |"
+                    )
+                out.append("")
     return "\n".join(out)
 
 
@@ -233,7 +259,9 @@ def section(results: list[dict]) -> str:
             "constant: the B -> infinity limit of the batch-mean baseline). cos: cosine(E[g], grad J);",
             "bias: ||E[g] - grad J|| / ||grad J||; var: the trace variance of the mean of B = 64 iid",
             "(state, token) draws over ||grad J||^2, also exact. Sampled: only the 95% intervals",
-            "[lo, hi] (a 1,000-resample bootstrap over the states).",
+            "[lo, hi] (a 1,000-resample bootstrap over the states). Schedules: sync, the trainer's",
+            "round start pi_k is the deployment's theta; async1, pi_k is S Adam steps further, as when",
+            "a round trains from the checkpoint of a round whose deployment is not live yet.",
             "",
             "Caveats: few states (n below), so the intervals are wide where states disagree; theta_k is",
             "the lab's warm-started base model (the `base_model` asset's defaults); staleness is theta",
@@ -259,6 +287,7 @@ def main() -> int:
     parser.add_argument("--out", default="docs/results/fidelity")
     parser.add_argument("--bootstrap", type=int, default=1000)
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"a subset of {','.join(ENGINES)}")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"a subset of {','.join(SCHEDULES)}")
     parser.add_argument(
         "--steps", type=int, default=TrainerConfig().steps, help="S, optimizer steps per round"
     )
@@ -270,10 +299,18 @@ def main() -> int:
     states = decisions(tokenizer, mate_in_1[: 2 * args.states])[: args.states]
     model = base_policy(tokenizer, args.data_dir, args.checkpoint)
     print(f"theta_k ready, {len(states)} states: {time.perf_counter() - t0:.0f} s", flush=True)
-    engines = tuple(args.engines.split(","))
+    engines, schedules = tuple(args.engines.split(",")), args.schedules.split(",")
     if unknown := set(engines) - set(ENGINES):
         parser.error(f"unknown engines {sorted(unknown)}; choose from {sorted(ENGINES)}")
-    rows = run(model, states, TrainerConfig().batch_size, args.steps, args.bootstrap, engines)
+    if unknown := set(schedules) - set(SCHEDULES):
+        parser.error(f"unknown schedules {sorted(unknown)}; choose from {sorted(SCHEDULES)}")
+    rows = [
+        row
+        for schedule in schedules
+        for row in run(
+            model, states, TrainerConfig().batch_size, args.steps, args.bootstrap, engines, schedule
+        )
+    ]
     seconds = time.perf_counter() - t0
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -137,7 +137,7 @@ def _header(root: Path, seeds: Sequence[int]) -> list[str]:
         "",
         f"Design, before running: with the pilot's seed sd of a difference ({PILOT_SD:.4f}) and "
         f"{len(seeds)} seed(s), a comparison detects with {POWER:.0%} power a true difference of "
-        f"{mde('better', len(seeds)):.3f} (from 0, or from the margin for \"does not hurt\"), and the "
+        f'{mde("better", len(seeds)):.3f} (from 0, or from the margin for "does not hurt"), and the '
         f"variance claim an sd ratio of {mde('less_variance', len(seeds)):.1f}x. Each finding states the "
         "MDE its seeds' observed sd gives (one seed: its paired se).",
         "",

@@ -182,5 +182,7 @@ def _started_next(store: DeltaStore, closed: dict) -> dict:
         nxt = found[0]
         condition = f"t.status = '{OPEN}' AND t.control_id = '{nxt['control_id']}'"
         if store.replace_if("canaries", {**nxt, "control_id": live}, "canary_id", condition):
-            log.info("canary %s starts against %s (opened against %s)", nxt["canary_id"], live, nxt["control_id"])
+            log.info(
+                "canary %s starts against %s (opened against %s)", nxt["canary_id"], live, nxt["control_id"]
+            )
     return closed

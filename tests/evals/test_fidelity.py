@@ -27,7 +27,7 @@ from prodrl_pipeline.evals.fidelity import (
     summarize,
     support_logprobs,
 )
-from prodrl_pipeline.evals.fidelity_study import ENGINES, ESTIMATORS, STALENESS, SUPPORTS
+from prodrl_pipeline.evals.fidelity_study import ENGINES, ESTIMATORS, SCHEDULES, STALENESS, SUPPORTS
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from tests.conftest import TINY, rounding_tolerance
@@ -186,16 +186,18 @@ def test_the_fidelity_command(tmp_path: Path) -> None:
         [sys.executable, "-m", "prodrl_pipeline.evals.fidelity_study", *args], check=True, timeout=1800
     )
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert len(rows) == len(ESTIMATORS) * len(STALENESS) * len(ENGINES) * len(SUPPORTS)
-    on_policy = [
-        r
-        for r in rows
-        if r["engine"] == "fp32"
-        and r["support"] == "full"
-        and r["staleness_steps"] == 0
-        and "kl" not in r["estimator"]
+    assert len(rows) == len(ESTIMATORS) * len(STALENESS) * len(ENGINES) * len(SUPPORTS) * len(SCHEDULES)
+    exact_engine = [
+        r for r in rows if r["engine"] == "fp32" and r["support"] == "full" and "kl" not in r["estimator"]
     ]
+    on_policy = [r for r in exact_engine if r["schedule"] == "sync" and r["staleness_steps"] == 0]
     assert len(on_policy) == len(ESTIMATORS) // 2
     tol = 50 * rounding_tolerance(math.log(50), TinyQwen3Config().hidden_size)  # |log p| <= log|M|, |M| <= 50
     assert all(r["relative_bias"] <= tol for r in on_policy), on_policy
+    # token IS reweights each sampled token by pi / mu: unbiased for grad J at any staleness, async too
+    token_is = [r for r in exact_engine if r["estimator"] == "token_is"]
+    assert len(token_is) == len(STALENESS) * len(SCHEDULES)
+    assert all(r["relative_bias"] <= tol for r in token_is), token_is
+    behind = {r["schedule"]: r["round_start_drift"] for r in rows}
+    assert behind["sync"] == 0 and behind["async1"] > 0  # async1's pi_k is S steps from the deployment
     assert "## Gradient fidelity" in out.with_suffix(".md").read_text()
