@@ -35,7 +35,8 @@ from resources.store import StoreResource
 CANARY_TAG = "prodrl/canary"
 """The canary a `canary_job` run decides (on the runs the sensor requests)."""
 DECISION_TAG = "prodrl/decision"
-"""On every `canary_job` run: instance.yaml runs one at a time (the claim is safe regardless)."""
+"""On every `canary_job` run: instance.yaml runs one at a time (the claim is safe regardless). A
+run that fails is not retried (a decision that lost to another stays lost); one that crashed is."""
 
 
 class CanaryDecisionConfig(Config):
@@ -61,14 +62,22 @@ def decide_canary(
     if by_hand and not (config.operator.strip() and config.reason.strip()):
         raise Failure(description="an override (promote or roll_back) names its operator and its reason")
     tables = store.tables(context.run.run_id, round_key(config.round))
-    rows = canaries.canaries(tables)
+    rows = canaries.sync(tables) if tables.exists("canaries") else []
     row = canaries.of_round(rows, round_id(lab.experiment, config.round))
     if row is None:
         raise Failure(description=f"round {config.round} of {lab.experiment} has no canary")
     if row["status"] not in canaries.UNDECIDED:
         raise Failure(
             description=f"canary {row['canary_id']} was decided already: {row['status']} by "
-            f"{row['decided_by']} ({row['reason']})"
+            f"{row['decided_by']} ({row['reason']})",
+            allow_retries=False,
+        )
+    if row["status"] == canaries.PROMOTING and by_hand:
+        raise Failure(
+            description=f"canary {row['canary_id']} is being promoted ({row['reason']}) since "
+            f"{row['decided_at']:%Y-%m-%d %H:%M:%S} UTC: decided already; canary_job with decision rule "
+            "finishes the promotion",
+            allow_retries=False,
         )
     verdict, versions = canaries.evaluate(tables, rows, row, datetime.now(UTC))
     try:
@@ -88,7 +97,7 @@ def decide_canary(
                 )
             closed = canaries.settle(tables, row, promote, decided_by, reason, verdict.numbers())
     except canaries.AlreadyDecided as e:  # a concurrent run's decision applied, not this one
-        raise Failure(description=str(e)) from e
+        raise Failure(description=str(e), allow_retries=False) from e
     live = tables.live_deployment()["deployment_id"]
     context.log.info(f"canary {row['canary_id']}: {closed['reason']}; live is {live}")
     context.log_event(
@@ -129,7 +138,7 @@ def _metadata(row: dict, verdict: Verdict, live: str) -> dict:
 
 
 @job(
-    tags={DECISION_TAG: "canary"},
+    tags={DECISION_TAG: "canary", "dagster/retry_on_asset_or_op_failure": "false"},
     description="Decide a round's production canary: by the gate's rule (the sensor launches it), or "
     "promote / roll_back by hand (config: round, decision, operator, reason)",
 )
@@ -151,7 +160,8 @@ def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabR
     """Requests `canary_job` for the active canary once its rule can decide (run key: the canary,
     so it is requested once), or to finish a promotion a dead run left; says why it waits otherwise."""
     tables = store.tables()
-    found = canaries.active(canaries.canaries(tables)) if tables.exists("canaries") else None
+    rows = canaries.sync(tables) if tables.exists("canaries") else []  # judged against live now
+    found = canaries.active(rows)
     if found is None:
         return SkipReason("no open canary")
     row = found[0]
@@ -161,7 +171,7 @@ def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabR
             run_config={"ops": {"decide_canary": {"config": {"round": row["round"]}}}},
             tags={CANARY_TAG: row["canary_id"]},
         )
-    verdict, _ = canaries.evaluate(tables, canaries.canaries(tables), row, datetime.now(UTC))
+    verdict, _ = canaries.evaluate(tables, rows, row, datetime.now(UTC))
     if verdict.decision == "wait":
         wait = canaries.config_of(row).max_wait_hours
         return SkipReason(

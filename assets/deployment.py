@@ -29,7 +29,7 @@ from prodrl_pipeline.engine.vllm_server import (
 from prodrl_pipeline.evals.gate import NO_EVALUATION, NO_GATE, deploy_gate
 from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.quant.nvfp4 import export_deployment, load_deployment, weight_error
-from prodrl_pipeline.records.canaries import open_canary
+from prodrl_pipeline.records.canaries import CanaryBusy, open_canary, supersede
 from prodrl_pipeline.records.queries import stored_results
 from prodrl_pipeline.records.registry import lookup, register_deployment, round_id
 from prodrl_pipeline.records.store import DeltaStore
@@ -119,6 +119,11 @@ def _deployment_round(
         rel_error = weight_error(model, upload.folder)
     path = upload.uri
     live = tables.live_deployment()  # before registering: a re-run may re-register the live one
+    if lab.canary_gate():
+        try:  # its canary measured the earlier export: roll it back before this one is registered
+            supersede(tables, dep_id)
+        except CanaryBusy as e:
+            raise Failure(description=str(e)) from e
     register_deployment(
         tables,
         deployment_id=dep_id,

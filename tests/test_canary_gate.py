@@ -185,3 +185,59 @@ def test_a_canary_queued_behind_a_promoted_one_is_judged_against_the_new_live_an
         (check,) = _run(instance, resources, round=2)
         assert check.passed and check.metadata["n_control"].value > 0
         assert tables.live_deployment()["deployment_id"] == "main-r000002"
+
+
+def test_the_active_canary_follows_live_forward_only_whatever_moved_it(tmp_path):
+    """`sync` (each sensor tick, each job, after each decision) gives the active canary live as its
+    control, even when the run that moved live died before doing so; a canary whose candidate can no
+    longer go live (live is a later round) is closed, not judged."""
+    resources = _resources(tmp_path, source="production")
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        first, second, third = _open(tables, 1), _open(tables, 2), _open(tables, 3)
+        with pytest.MonkeyPatch.context() as mp:  # the deciding run dies right after its decision
+            mp.setattr(canaries, "sync", lambda store: canaries.canaries(store))
+            canaries.settle(tables, first, True, canaries.BY_RULE, "promoted: the rule", {})
+        assert canaries.of_round(canaries.canaries(tables), "main-r000002")["control_id"] == "base"
+        assert "waiting" in _tick(instance, resources).skip_message
+        assert canaries.of_round(canaries.canaries(tables), "main-r000002")["control_id"] == "main-r000001"
+
+        tables.set_live("main-r000003")  # live moved past round 2 by other means (by hand)
+        assert _tick(instance, resources).skip_message == "no open canary"
+        row = canaries.of_round(canaries.canaries(tables), "main-r000002")
+        assert (row["status"], row["control_id"]) == (canaries.ROLLED_BACK, "main-r000001")
+        assert row["reason"] == "not judged: live is main-r000003 (round 3), and live only moves forward"
+        third = canaries.of_round(canaries.canaries(tables), "main-r000003")
+        assert (third["status"], third["reason"]) == (
+            canaries.ROLLED_BACK,
+            "not judged: its candidate is live already",
+        )
+        assert second["canary_id"] == row["canary_id"]
+
+
+def test_a_candidate_exported_again_supersedes_its_open_canary_and_waits_for_a_promoting_one(tmp_path):
+    resources = _resources(tmp_path, source="production")
+    tables = resources["store"].tables()
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        canary = _open(tables, 1)
+        canaries.supersede(tables, "main-r000001")
+        row = canaries.of_round(canaries.canaries(tables), "main-r000001")
+        assert (row["status"], row["reason"]) == (
+            canaries.ROLLED_BACK,
+            "superseded: the candidate was exported again",
+        )
+        again = _open(tables, 1)
+        assert again["canary_id"] == "main-r000001.2" != canary["canary_id"]
+        canaries.close(tables, again, canaries.PROMOTING, canaries.BY_RULE, "promoted: the rule", {})
+        with pytest.raises(
+            canaries.CanaryBusy, match=r"canary main-r000001.2 of main-r000001 is being promoted"
+        ):
+            canaries.supersede(tables, "main-r000001")
+        with pytest.raises(
+            Failure, match="is being promoted .* decided already; canary_job with decision rule"
+        ):
+            _run(instance, resources, round=1, decision="roll_back", operator="alice", reason="no")
+        (check,) = _run(instance, resources, round=1)  # the rule finishes it
+        assert check.passed and tables.live_deployment()["deployment_id"] == "main-r000001"

@@ -5,20 +5,23 @@ The `deployment` asset opens a canary of its candidate against the live deployme
 the gateway routes a share of new trajectories to the candidate while a canary is active; the
 `canary_gate` check closes it, promoting the candidate (the live pointer moves, compare-and-set) or
 rolling it back (live stays). At most one canary is active: the oldest undecided one; a later one
-(async1: round k's candidate while round k-1's canary runs) starts when it is decided, against the
-deployment live then (its control moves with live).
+(async1: round k's candidate while round k-1's canary runs) starts when it is decided. The active
+canary is judged against the deployment live now: `sync`, run before every judgement and after
+every decision, moves its control with live (or closes it if its candidate can no longer go live).
 
-A decision is claimed before it acts: the open row is replaced by the decided one in one
-compare-and-set (`DeltaStore.replace_if` on status 'open'), so of two decisions (a rule run and an
+A decision is claimed before it acts: the open row's decision columns are set in one
+compare-and-set (`DeltaStore.update_if` on status 'open'), so of two decisions (a rule run and an
 operator's override) exactly one applies. A promotion is claimed as 'promoting', then moves live,
 then is recorded 'promoted' (or 'rolled_back' when live had moved elsewhere); a run that dies in
-between leaves it 'promoting', and the next `canary_job` run finishes it.
+between leaves it 'promoting', and the next `canary_job` run finishes it. A candidate exported
+again has its open canary rolled back first (`supersede`), and is refused while one is promoting.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from contextlib import suppress
 from dataclasses import asdict
 from datetime import UTC, datetime
 
@@ -42,9 +45,11 @@ def canaries(store: DeltaStore) -> list[dict]:
 
 
 def of_round(rows: list[dict], deployment_id: str) -> dict | None:
-    """The newest canary of the candidate `deployment_id` (a re-export opens another)."""
+    """The canary of the candidate `deployment_id` a decision acts on: the one being promoted, else
+    the newest (a re-export opens another)."""
     mine = [r for r in rows if r["deployment_id"] == deployment_id]
-    return mine[-1] if mine else None
+    promoting = [r for r in mine if r["status"] == PROMOTING]
+    return (promoting or mine or [None])[-1]
 
 
 def active(rows: list[dict]) -> tuple[dict, datetime] | None:
@@ -58,14 +63,41 @@ def active(rows: list[dict]) -> tuple[dict, datetime] | None:
     return first, max([first["opened_at"], *earlier])
 
 
+class CanaryBusy(RuntimeError):
+    """The candidate's canary is being promoted: it cannot be exported again until that finishes."""
+
+
+def supersede(store: DeltaStore, deployment_id: str) -> None:
+    """Before the candidate `deployment_id` is exported again (its round re-run): roll back its open
+    canary (the new export gets its own); refuse, raising CanaryBusy, while one is being promoted."""
+    if not store.exists("canaries"):
+        return
+    for row in canaries(store):
+        if row["deployment_id"] != deployment_id or row["status"] not in UNDECIDED:
+            continue
+        try:
+            if row["status"] == OPEN:
+                close(
+                    store, row, ROLLED_BACK, "deployment", "superseded: the candidate was exported again", {}
+                )
+                continue
+        except AlreadyDecided:
+            row = _row(store, row["canary_id"])
+            if row["status"] != PROMOTING:
+                continue
+        raise CanaryBusy(
+            f"canary {row['canary_id']} of {deployment_id} is being promoted ({row['reason']}); export it "
+            "again once canary_job has finished it"
+        )
+    sync(store)
+
+
 def open_canary(
     store: DeltaStore, *, deployment_id: str, round_: int, control_id: str, config: CanaryConfig
 ) -> dict:
-    """Open a canary of `deployment_id` against the live `control_id`. An open canary of the same
-    candidate (an earlier export of it: its round was re-run) is rolled back first."""
+    """Open a canary of `deployment_id` against the live `control_id` (`supersede` first if the
+    candidate had one)."""
     rows = canaries(store)
-    if (previous := of_round(rows, deployment_id)) is not None and previous["status"] == OPEN:
-        settle(store, previous, False, "deployment", "superseded: the candidate was exported again", {})
     n = sum(r["deployment_id"] == deployment_id for r in rows) + 1
     row = {
         "canary_id": f"{deployment_id}.{n}",
@@ -82,7 +114,48 @@ def open_canary(
         "verdict_json": None,
     }
     store.overwrite("canaries", [row], f"canary_id = '{row['canary_id']}'")
-    return row
+    sync(store)  # live may have moved since `control_id` was read
+    return _row(store, row["canary_id"])
+
+
+def _row(store: DeltaStore, canary_id: str) -> dict:
+    return next(r for r in canaries(store) if r["canary_id"] == canary_id)
+
+
+def sync(store: DeltaStore) -> list[dict]:
+    """Keep the active canary judged against live; idempotent. An open active canary whose control
+    is no longer live gets live as its control (compare-and-set) if its candidate could still go
+    live against it (`rounds.goes_live`: live only moves forward); otherwise it is closed, rolled
+    back, saying why. Returns the registry's rows after."""
+    rows = canaries(store)
+    found = active(rows)
+    live_row = store.live_deployment()
+    if found is None or found[0]["status"] != OPEN or live_row is None:
+        return rows
+    row, live = found[0], live_row["deployment_id"]
+    if row["control_id"] == live:
+        return rows
+    movable = row["deployment_id"] != live and goes_live(
+        gate_passed=True,
+        counterfactual=False,
+        round_=row["round"],
+        candidate=row["deployment_id"],
+        gated_against=live,
+        live=live_row,
+    )
+    if movable:
+        condition = f"t.status = '{OPEN}' AND t.control_id = '{row['control_id']}'"
+        if store.update_if("canaries", {**row, "control_id": live}, "canary_id", ["control_id"], condition):
+            log.info("canary %s: its control is %s now (was %s)", row["canary_id"], live, row["control_id"])
+    else:
+        why = (
+            "its candidate is live already"
+            if row["deployment_id"] == live
+            else f"live is {live} (round {live_row['round']}), and live only moves forward"
+        )
+        with suppress(AlreadyDecided):  # another decision closed it first
+            close(store, row, ROLLED_BACK, BY_RULE, f"not judged: {why}", {})
+    return sync(store)
 
 
 def config_of(row: dict) -> CanaryConfig:
@@ -124,10 +197,14 @@ class AlreadyDecided(RuntimeError):
     """Another decision claimed the canary first."""
 
 
+DECISION_COLUMNS = ("status", "decided_at", "decided_by", "reason", "verdict_json")
+
+
 def close(store: DeltaStore, row: dict, status: str, decided_by: str, reason: str, verdict: dict) -> dict:
-    """Claim the canary `row` for a decision: its stored row, if still open, becomes `status` with
-    who decided, why and the rule's numbers (no live move: `settle` does that). Returns the decided
-    row; raises AlreadyDecided, naming the decision that won, if it was no longer open."""
+    """Claim the canary `row` for a decision: if its stored row is still open, set its decision
+    columns to `status`, who decided, why and the rule's numbers (no live move: `settle` does that).
+    Returns the stored row after; raises AlreadyDecided, naming the decision that won, if it was no
+    longer open."""
     decided = {
         **row,
         "status": status,
@@ -136,24 +213,29 @@ def close(store: DeltaStore, row: dict, status: str, decided_by: str, reason: st
         "reason": reason,
         "verdict_json": json.dumps(verdict),
     }
-    if not store.replace_if("canaries", decided, "canary_id", f"t.status = '{OPEN}'"):
-        now = [r for r in canaries(store) if r["canary_id"] == row["canary_id"]]
-        won = f"{now[0]['status']} by {now[0]['decided_by']} ({now[0]['reason']})" if now else "gone"
-        raise AlreadyDecided(f"canary {row['canary_id']} was decided already: {won}")
-    return decided
+    if not store.update_if("canaries", decided, "canary_id", DECISION_COLUMNS, f"t.status = '{OPEN}'"):
+        now = _row(store, row["canary_id"])
+        raise AlreadyDecided(
+            f"canary {row['canary_id']} was decided already: {now['status']} by {now['decided_by']} "
+            f"({now['reason']})"
+        )
+    return _row(store, row["canary_id"])
 
 
 def settle(store: DeltaStore, row: dict, promote: bool, decided_by: str, reason: str, verdict: dict) -> dict:
     """Decide the open canary `row` (claimed first: `close`): roll it back (live stays), or promote
-    it (`finish`). The next canary then starts against the live deployment. Returns the closed row."""
+    it (`finish`); then `sync` starts the next one against live. Returns the closed row."""
     decided = close(store, row, PROMOTING if promote else ROLLED_BACK, decided_by, reason, verdict)
-    return finish(store, decided) if promote else _started_next(store, decided)
+    if promote:
+        return finish(store, decided)
+    sync(store)
+    return decided
 
 
 def finish(store: DeltaStore, row: dict) -> dict:
     """Finish the claimed promotion `row` ('promoting'): move live to the candidate if live is still
     the control (or already the candidate: a move made before a run died), forward only
-    (`rounds.goes_live`); record it 'promoted', or 'rolled_back' saying where live is."""
+    (`rounds.goes_live`); record it 'promoted', or 'rolled_back' saying where live is; then `sync`."""
     allowed = lambda now: goes_live(  # noqa: E731
         gate_passed=True,
         counterfactual=False,
@@ -167,22 +249,9 @@ def finish(store: DeltaStore, row: dict) -> dict:
         live = (store.live_deployment() or {}).get("deployment_id")
         reason = f"{row['reason']}; not promoted: live is {live}, no longer {row['control_id']}"
         finished = {**row, "status": ROLLED_BACK, "reason": reason}
-    if not store.replace_if("canaries", finished, "canary_id", f"t.status = '{PROMOTING}'"):
+    if not store.update_if(
+        "canaries", finished, "canary_id", ["status", "reason"], f"t.status = '{PROMOTING}'"
+    ):
         raise AlreadyDecided(f"canary {row['canary_id']} was finished by another run")
-    return _started_next(store, finished)
-
-
-def _started_next(store: DeltaStore, closed: dict) -> dict:
-    """After `closed` was decided: the next canary (now active) is judged against the deployment
-    live now, which its queued row may not name (async1: it opened while `closed` ran, against the
-    live of then); its control moves, compare-and-set. Returns `closed`."""
-    found = active(canaries(store))
-    live = (store.live_deployment() or {}).get("deployment_id")
-    if found and found[0]["status"] == OPEN and live and found[0]["control_id"] != live:
-        nxt = found[0]
-        condition = f"t.status = '{OPEN}' AND t.control_id = '{nxt['control_id']}'"
-        if store.replace_if("canaries", {**nxt, "control_id": live}, "canary_id", condition):
-            log.info(
-                "canary %s starts against %s (opened against %s)", nxt["canary_id"], live, nxt["control_id"]
-            )
-    return closed
+    sync(store)
+    return _row(store, row["canary_id"])

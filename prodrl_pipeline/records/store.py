@@ -15,8 +15,10 @@ commits since it was last used: ~0.5 ms, against ~8 ms to open the table).
 from __future__ import annotations
 
 import logging
+import random
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -411,13 +413,15 @@ class DeltaStore:
             "version": dt.version(),
         }
 
-    def replace_if(self, table: str, row: dict, key: str, condition: str, attempts: int = 5) -> bool:
-        """Compare-and-set of one row: replace the row whose `key` equals `row[key]` by `row` only if
-        the stored row matches `condition` (SQL over it as `t`, e.g. "t.status = 'open'"), judged at
-        the version the commit lands on (a commit that loses a race is judged again from the new
-        version). Returns whether the row was replaced."""
+    def update_if(
+        self, table: str, row: dict, key: str, columns: Sequence[str], condition: str, attempts: int = 6
+    ) -> bool:
+        """Compare-and-set of one row: set `columns` of the row whose `key` equals `row[key]` to
+        `row`'s values, only if the stored row matches `condition` (SQL over it as `t`, e.g.
+        "t.status = 'open'"), judged at the version the commit lands on (a commit that loses a race
+        is judged again from the new version, after a short random pause). Returns whether it did."""
         data = self._conform(table, [row])
-        for _ in range(attempts):
+        for attempt in range(attempts):
             try:
                 with self._latest(table) as dt:
                     if dt is None:
@@ -428,10 +432,10 @@ class DeltaStore:
                             f"t.{key} = s.{key}",
                             source_alias="s",
                             target_alias="t",
-                            commit_properties=self._commit({"replace_if": condition}),
+                            commit_properties=self._commit({"update_if": condition}),
                             post_commithook_properties=NO_HOOKS,
                         )
-                        .when_matched_update_all(predicate=condition)
+                        .when_matched_update({c: f"s.{c}" for c in columns}, predicate=condition)
                         .execute()
                     )
                     if metrics["num_target_rows_updated"]:
@@ -439,8 +443,8 @@ class DeltaStore:
                         self._seen(self.versions_written, table, dt.version())
                     return metrics["num_target_rows_updated"] > 0
             except CommitFailedError:  # another writer committed since the read: judge again
-                continue
-        raise RuntimeError(f"table {table!r} kept changing; {key} = {row[key]!r} not replaced")
+                time.sleep(random.uniform(0, 0.02 * 2**attempt))
+        raise RuntimeError(f"table {table!r} kept changing; {key} = {row[key]!r} not updated")
 
     def set_live(self, deployment_id: str) -> None:
         """Move the live pointer: one atomic commit flips `live` on the deployments registry."""

@@ -151,7 +151,7 @@ def test_moving_live_on_a_registry_made_before_the_store_s_properties_deletes_no
     assert store.read("deployments", version=0).to_pylist()[0]["deployment_id"] == "base"
 
 
-def test_replacing_a_row_if_it_still_matches_lets_exactly_one_of_racing_writers_win(tmp_path):
+def test_updating_a_row_if_it_still_matches_lets_exactly_one_of_racing_writers_win(tmp_path):
     import threading
 
     _register(DeltaStore(tmp_path), "base", "r1", "r2")
@@ -161,7 +161,9 @@ def test_replacing_a_row_if_it_still_matches_lets_exactly_one_of_racing_writers_
 
     def decide(i: int) -> None:
         gate.wait()
-        if stores[i].replace_if("deployments", {**row, "path": f"w{i}"}, "deployment_id", "t.path = 'p'"):
+        if stores[i].update_if(
+            "deployments", {**row, "path": f"w{i}"}, "deployment_id", ["path"], "t.path = 'p'"
+        ):
             won.append(i)
 
     threads = [threading.Thread(target=decide, args=(i,)) for i in range(len(stores))]
@@ -172,6 +174,12 @@ def test_replacing_a_row_if_it_still_matches_lets_exactly_one_of_racing_writers_
     assert len(won) == 1
     paths = {r["deployment_id"]: r["path"] for r in stores[0].read("deployments").to_pylist()}
     assert paths == {"base": "p", "r1": f"w{won[0]}", "r2": "p"}  # one row replaced, by the winner
-    assert not stores[0].replace_if("deployments", {**row, "path": "late"}, "deployment_id", "t.path = 'p'")
-    assert not stores[0].replace_if("deployments", {**row, "deployment_id": "r9"}, "deployment_id", "true")
-    assert not DeltaStore(tmp_path / "none").replace_if("deployments", row, "deployment_id", "true")
+    late = {**row, "path": "late", "round": 7}
+    assert not stores[0].update_if("deployments", late, "deployment_id", ["path"], "t.path = 'p'")
+    assert stores[0].update_if("deployments", late, "deployment_id", ["round"], "true")  # that column only
+    r1 = next(r for r in stores[0].read("deployments").to_pylist() if r["deployment_id"] == "r1")
+    assert (r1["path"], r1["round"]) == (f"w{won[0]}", 7)
+    assert not stores[0].update_if(
+        "deployments", {**row, "deployment_id": "r9"}, "deployment_id", ["path"], "true"
+    )
+    assert not DeltaStore(tmp_path / "none").update_if("deployments", row, "deployment_id", ["path"], "true")
