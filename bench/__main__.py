@@ -11,10 +11,20 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench import delta_io, engine, estimators, grammar, logprob_memory, record_bytes, round, trainer
+from bench import (
+    delta_io,
+    engine,
+    estimators,
+    grammar,
+    logprob_memory,
+    record_bytes,
+    round,
+    trainer,
+    vocab_scale,
+)
 from bench.ratios import Ratio, report
 
-MODULES = (engine, grammar, trainer, delta_io, round, estimators, logprob_memory, record_bytes)
+MODULES = (engine, grammar, trainer, delta_io, round, estimators, logprob_memory, record_bytes, vocab_scale)
 
 
 def main() -> None:

@@ -66,7 +66,8 @@ def _ids_only(batch: Rows, logp, sampled, extra) -> list[int]:  # noqa: ANN001
 
 
 @contextmanager
-def _unrecorded():
+def unrecorded() -> Iterator[None]:
+    """The engine's runs inside the block record nothing but the sampled ids (`_ids_only`)."""
     recorded = Rows.record_sampled
     Rows.record_sampled = _ids_only
     try:
@@ -158,7 +159,7 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
         if name == "generate":
             tokens[name] = _hf_tokens(model, prompts, args.new_tokens, tok.pad_token_id, tok.eos_token_id)
         elif name == "unrecorded":
-            with _unrecorded(), seconds_in(Rows, "record_sampled") as stub:
+            with unrecorded(), seconds_in(Rows, "record_sampled") as stub:
                 tokens[name] = _engine_tokens(engine, prompts, args.new_tokens)
             inside["stub"].append(stub["record_sampled"])
         else:

@@ -38,7 +38,7 @@ SAMPLING = {"plain": SamplingParams(temperature=1.0), "top-p 0.9": SamplingParam
 SLACK = 200  # bytes a position beside V / 8: the head, the sampled id and log-prob, the tags
 
 
-def _row(req: Request, out: Completion, params: SamplingParams, vocab: int, i: int) -> dict:
+def landing_row(req: Request, out: Completion, params: SamplingParams, vocab: int, i: int) -> dict:
     """The call as the gateway records it (gateway/serving.py)."""
     return {
         "call_id": f"c{i}",
@@ -77,7 +77,7 @@ def _bytes_per_token(vocab: int, params: SamplingParams, calls: int, tokens: int
     ]
     outs = engine.generate(requests, seed=0)
     return [
-        _parquet_bytes(_row(req, out, params, vocab, i)) / len(out.token_ids)
+        _parquet_bytes(landing_row(req, out, params, vocab, i)) / len(out.token_ids)
         for i, (req, out) in enumerate(zip(requests, outs, strict=True))
     ]
 

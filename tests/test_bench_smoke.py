@@ -31,6 +31,13 @@ RATIOS = {
         for sampling in ("plain", "top-p 0.9")
         for vocab in ("5,025", "151,669")
     ),
+    *(
+        f"serving tokens/s, recording on / off, {sampling}, V = {vocab}"
+        for sampling in ("plain", "top-p 0.9")
+        for vocab in ("5,025", "151,669")
+    ),
+    "serving tokens/s, V = 151,669 / V = 5,025",
+    "trainer step time, V = 151,669 / V = 5,025",
 }
 
 
