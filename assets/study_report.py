@@ -1,11 +1,13 @@
 """The lab study's report as an asset: docs/results.md rewritten from the study's tables, and the
 same findings and curves shown in the Dagster UI (`make study` materializes it after the runs)."""
 
+import json
 from pathlib import Path
 
 from dagster import Config, MaterializeResult, MetadataValue, asset
 
 from assets import metadata
+from prodrl_pipeline.evals.fidelity_study import recommendation, section
 from prodrl_pipeline.evals.study_report import build_report
 
 FINDING_COLUMNS = [
@@ -35,8 +37,14 @@ def study_report(config: StudyReportConfig) -> MaterializeResult:
     """Every finished study configuration compared per finding (verdict with a 95% interval over
     seeds), the curves of each comparison group, the final round of every run."""
     out = Path(config.out).resolve()
-    fidelity = out.parent / "results" / "fidelity.md"  # python -m prodrl_pipeline.evals.fidelity_study
-    report = build_report(Path(config.root), config.seeds, fidelity.read_text() if fidelity.exists() else "")
+    fidelity = out.parent / "results" / "fidelity.json"  # python -m prodrl_pipeline.evals.fidelity_study
+    found = json.loads(fidelity.read_text()) if fidelity.exists() else None
+    report = build_report(
+        Path(config.root),
+        config.seeds,
+        section([found]) if found else "",
+        recommendation(found["rows"], found["steps"]) if found else "",
+    )
     report.save(out)
     curves = {name.removesuffix(".png"): metadata.image(png, name) for name, png in report.figures.items()}
     return MaterializeResult(

@@ -97,6 +97,7 @@ def test_replays_run_after_their_source_and_verdicts_follow_the_interval():
     assert d.low > 0 and verdict("better", d) == "reproduced"
     assert verdict("better", Difference(-0.04, -0.06, -0.02, 3)) == "not reproduced"
     assert verdict("better", Difference(0.01, -0.01, 0.03, 3)) == "inconclusive"
+    assert verdict("better", Difference(0.0, 0.0, 0.0, 3)) == "not reproduced"  # identical in every seed
     assert verdict("no_worse", Difference(-0.005, -0.015, 0.005, 3), margin=0.02) == "reproduced"
     assert verdict("no_worse", Difference(-0.005, -0.015, 0.005, 3), margin=0.01) == "inconclusive"
     assert verdict("no_worse", Difference(-0.03, -0.04, -0.02, 3), margin=0.01) == "not reproduced"

@@ -259,6 +259,6 @@ def verdict(kind: str, diff: Difference | None = None, margin: float = 0.0, p: f
     floor = 0.0 if kind == "better" else -margin
     if diff.low > floor:
         return "reproduced"
-    if diff.high < floor:
-        return "not reproduced"
+    if diff.high < floor or (kind == "better" and diff.low == diff.high == floor):
+        return "not reproduced"  # (or A and B gave the same result in every seed)
     return "inconclusive"

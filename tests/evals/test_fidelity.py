@@ -201,3 +201,42 @@ def test_the_fidelity_command(tmp_path: Path) -> None:
     behind = {r["schedule"]: r["round_start_drift"] for r in rows}
     assert behind["sync"] == 0 and behind["async1"] > 0  # async1's pi_k is S steps from the deployment
     assert "## Gradient fidelity" in out.with_suffix(".md").read_text()
+
+
+def test_the_recommendation_follows_its_stated_rule_on_known_rows() -> None:
+    """Worst cosine within one round of staleness among estimators within the variance budget; a
+    tie goes to the lower variance; cells past S and +kl estimators do not count."""
+    from prodrl_pipeline.evals.fidelity_study import recommendation
+
+    def row(name, steps, cos, var, schedule="sync"):  # noqa: ANN001, ANN202
+        return {
+            "estimator": name,
+            "staleness_steps": steps,
+            "schedule": schedule,
+            "engine": "fp32",
+            "support": "full",
+            "cosine": cos,
+            "relative_variance": var,
+        }
+
+    rows = [
+        *(row("unbiased", s, 1.0, v) for s, v in ((0, 1.0), (8, 3.0), (16, 9.0))),  # 9x: excluded
+        *(row("centered", s, c, 1.0) for s, c in ((0, 1.0), (8, 0.9), (16, 0.7))),
+        *(row("twin", s, c, 2.0) for s, c in ((0, 1.0), (8, 0.9), (16, 0.7))),  # same cos, more var
+        *(row("clipped", s, c, 1.0) for s, c in ((0, 1.0), (8, -0.1), (16, 0.5))),
+        row("centered", 32, -1.0, 50.0),  # beyond S: not counted
+        row("centered+kl", 16, 1.0, 1.0),
+    ]
+    text = recommendation(rows, steps=16)
+    assert text.splitlines()[2].startswith("**centered.**") and "at least 0.70" in text
+    table = {
+        line.split(" | ")[0].strip("| "): line.rsplit(" | ", 1)[1].strip(" |")
+        for line in text.splitlines()
+        if line.startswith("| ") and "estimator" not in line
+    }
+    assert table == {
+        "unbiased": "variance beyond 4x",
+        "centered": "recommended",
+        "twin": "same cosine, more variance",
+        "clipped": "lower worst cosine",
+    }
