@@ -12,11 +12,13 @@ from dagster import (
     AssetCheckSeverity,
     AssetKey,
     Config,
+    DagsterRunStatus,
     DefaultSensorStatus,
     Failure,
     MetadataValue,
     OpExecutionContext,
     RunRequest,
+    RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
     SkipReason,
@@ -35,8 +37,7 @@ from resources.store import StoreResource
 CANARY_TAG = "prodrl/canary"
 """The canary a `canary_job` run decides (on the runs the sensor requests)."""
 DECISION_TAG = "prodrl/decision"
-"""On every `canary_job` run: instance.yaml runs one at a time (the claim is safe regardless). A
-run that fails is not retried (a decision that lost to another stays lost); one that crashed is."""
+"""On every `canary_job` run: instance.yaml runs one at a time (the claim is safe regardless)."""
 
 
 class CanaryDecisionConfig(Config):
@@ -66,18 +67,21 @@ def decide_canary(
     row = canaries.of_round(rows, round_id(lab.experiment, config.round))
     if row is None:
         raise Failure(description=f"round {config.round} of {lab.experiment} has no canary")
+    if (requested := context.run.tags.get(CANARY_TAG)) and requested != row["canary_id"]:
+        context.log.warning(
+            f"requested for canary {requested}; round {config.round}'s is now {row['canary_id']}"
+        )
+        return
     if row["status"] not in canaries.UNDECIDED:
         raise Failure(
             description=f"canary {row['canary_id']} was decided already: {row['status']} by "
-            f"{row['decided_by']} ({row['reason']})",
-            allow_retries=False,
+            f"{row['decided_by']} ({row['reason']})"
         )
     if row["status"] == canaries.PROMOTING and by_hand:
         raise Failure(
             description=f"canary {row['canary_id']} is being promoted ({row['reason']}) since "
             f"{row['decided_at']:%Y-%m-%d %H:%M:%S} UTC: decided already; canary_job with decision rule "
-            "finishes the promotion",
-            allow_retries=False,
+            "finishes the promotion"
         )
     verdict, versions = canaries.evaluate(tables, rows, row, datetime.now(UTC))
     try:
@@ -97,7 +101,10 @@ def decide_canary(
                 )
             closed = canaries.settle(tables, row, promote, decided_by, reason, verdict.numbers())
     except canaries.AlreadyDecided as e:  # a concurrent run's decision applied, not this one
-        raise Failure(description=str(e), allow_retries=False) from e
+        if by_hand:
+            raise Failure(description=f"{e}; this override was not applied") from e
+        context.log.warning(f"{e}; this run's decision was not applied")
+        return
     live = tables.live_deployment()["deployment_id"]
     context.log.info(f"canary {row['canary_id']}: {closed['reason']}; live is {live}")
     context.log_event(
@@ -138,7 +145,7 @@ def _metadata(row: dict, verdict: Verdict, live: str) -> dict:
 
 
 @job(
-    tags={DECISION_TAG: "canary", "dagster/retry_on_asset_or_op_failure": "false"},
+    tags={DECISION_TAG: "canary"},
     description="Decide a round's production canary: by the gate's rule (the sensor launches it), or "
     "promote / roll_back by hand (config: round, decision, operator, reason)",
 )
@@ -158,16 +165,27 @@ def canary_sensor(minimum_interval_seconds: int = 30) -> SensorDefinition:
 
 def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabResource):
     """Requests `canary_job` for the active canary once its rule can decide (run key: the canary,
-    so it is requested once), or to finish a promotion a dead run left; says why it waits otherwise."""
+    so it is requested once, and again after a run of it failed), or to finish a promotion a dead
+    run left; says why it waits otherwise."""
     tables = store.tables()
     rows = canaries.sync(tables) if tables.exists("canaries") else []  # judged against live now
     found = canaries.active(rows)
     if found is None:
         return SkipReason("no open canary")
     row = found[0]
+    failed = len(
+        context.instance.get_runs(
+            RunsFilter(
+                job_name=canary_job.name,
+                tags={CANARY_TAG: row["canary_id"]},
+                statuses=[DagsterRunStatus.FAILURE],
+            )
+        )
+    )
+    again = f":{failed}" if failed else ""  # a run that failed (its retry too) is requested anew
     if row["status"] == canaries.PROMOTING:  # its deciding run died mid-promotion: finish it
         return RunRequest(
-            run_key=f"{row['canary_id']}:finish",
+            run_key=f"{row['canary_id']}:finish{again}",
             run_config={"ops": {"decide_canary": {"config": {"round": row["round"]}}}},
             tags={CANARY_TAG: row["canary_id"]},
         )
@@ -178,7 +196,7 @@ def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabR
             f"canary {row['canary_id']}: {verdict.reason} ({verdict.waited_hours:.2f} of {wait:g} h)"
         )
     return RunRequest(
-        run_key=row["canary_id"],
+        run_key=f"{row['canary_id']}{again}",
         run_config={"ops": {"decide_canary": {"config": {"round": row["round"]}}}},
         tags={CANARY_TAG: row["canary_id"]},
     )

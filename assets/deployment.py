@@ -102,10 +102,15 @@ def _deployment_round(
 ) -> MaterializeResult:
     k = round_number(key)
     tables = store.tables(context.run.run_id, key)
-    ckpt = lookup(tables, "checkpoints", "checkpoint_id", round_id(lab.experiment, k))
+    dep_id = round_id(lab.experiment, k)
+    if lab.canary_gate() and not lab.counterfactual:
+        try:  # its canary measured the earlier export: roll it back before this one is written
+            supersede(tables, dep_id)
+        except CanaryBusy as e:
+            raise Failure(description=str(e)) from e
+    ckpt = lookup(tables, "checkpoints", "checkpoint_id", dep_id)
     artifacts = store.artifacts()
     model, _, _ = load_checkpoint(artifacts.local(ckpt["path"]))
-    dep_id = round_id(lab.experiment, k)
     calls = tables.read("calls", k).slice(0, CALIBRATION_CALLS)  # activation scales from real traffic
     calibration = [
         p + c
@@ -119,11 +124,6 @@ def _deployment_round(
         rel_error = weight_error(model, upload.folder)
     path = upload.uri
     live = tables.live_deployment()  # before registering: a re-run may re-register the live one
-    if lab.canary_gate():
-        try:  # its canary measured the earlier export: roll it back before this one is registered
-            supersede(tables, dep_id)
-        except CanaryBusy as e:
-            raise Failure(description=str(e)) from e
     register_deployment(
         tables,
         deployment_id=dep_id,
@@ -150,10 +150,12 @@ def _deployment_round(
         )
         reason = (
             f"canary {row['canary_id']} open: {dep_id} serves {canary.share:.0%} of new trajectories beside "
-            f"{live['deployment_id']}; canary_job decides once each arm has {canary.min_per_arm} scored "
+            f"{row['control_id']}; canary_job decides once each arm has {canary.min_per_arm} scored "
             f"trajectories, or rolls back after {canary.max_wait_hours:g} h"
+            if row["status"] == "open"
+            else f"canary {row['canary_id']} {row['status']} as it opened: {row['reason']}"
         )
-        gate_metadata |= {"canary_id": row["canary_id"], "status": "open", "control": live["deployment_id"]}
+        gate_metadata |= {k: row[k] for k in ("canary_id", "status")} | {"control": row["control_id"]}
         decide = lambda now: False  # noqa: E731 - live moves when the canary is promoted
     elif canary:
         reason = (

@@ -155,6 +155,7 @@ def sync(store: DeltaStore) -> list[dict]:
         )
         with suppress(AlreadyDecided):  # another decision closed it first
             close(store, row, ROLLED_BACK, BY_RULE, f"not judged: {why}", {})
+            log.warning("canary %s closed, not judged: %s", row["canary_id"], why)
     return sync(store)
 
 
@@ -213,8 +214,14 @@ def close(store: DeltaStore, row: dict, status: str, decided_by: str, reason: st
         "reason": reason,
         "verdict_json": json.dumps(verdict),
     }
-    if not store.update_if("canaries", decided, "canary_id", DECISION_COLUMNS, f"t.status = '{OPEN}'"):
+    condition = f"t.status = '{OPEN}' AND t.control_id = '{row['control_id']}'"  # as it was judged
+    if not store.update_if("canaries", decided, "canary_id", DECISION_COLUMNS, condition):
         now = _row(store, row["canary_id"])
+        if now["status"] == OPEN:
+            raise AlreadyDecided(
+                f"canary {row['canary_id']}'s control moved to {now['control_id']} (live moved) since it "
+                f"was judged against {row['control_id']}: judge it again"
+            )
         raise AlreadyDecided(
             f"canary {row['canary_id']} was decided already: {now['status']} by {now['decided_by']} "
             f"({now['reason']})"
@@ -228,8 +235,17 @@ def settle(store: DeltaStore, row: dict, promote: bool, decided_by: str, reason:
     decided = close(store, row, PROMOTING if promote else ROLLED_BACK, decided_by, reason, verdict)
     if promote:
         return finish(store, decided)
-    sync(store)
+    _sync_after(store)
     return decided
+
+
+def _sync_after(store: DeltaStore) -> None:
+    """`sync` after a decision, which stands whatever happens here: a failure is logged (the next
+    judgement's `sync` repeats it)."""
+    try:
+        sync(store)
+    except Exception:  # noqa: BLE001
+        log.exception("starting the next canary after a decision failed; the next sensor tick retries it")
 
 
 def finish(store: DeltaStore, row: dict) -> dict:
@@ -253,5 +269,5 @@ def finish(store: DeltaStore, row: dict) -> dict:
         "canaries", finished, "canary_id", ["status", "reason"], f"t.status = '{PROMOTING}'"
     ):
         raise AlreadyDecided(f"canary {row['canary_id']} was finished by another run")
-    sync(store)
+    _sync_after(store)
     return _row(store, row["canary_id"])

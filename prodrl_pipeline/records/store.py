@@ -458,7 +458,7 @@ class DeltaStore:
         the read (then read and decide again). Returns whether live moved."""
         if not SAFE_ID.fullmatch(deployment_id):
             raise ValueError(f"deployment id {deployment_id!r} must match {SAFE_ID.pattern}")
-        for _ in range(attempts):
+        for attempt in range(attempts):
             dt = self.table("deployments")
             rows = self.read("deployments", version=dt.version()).to_pylist()
             if deployment_id not in {r["deployment_id"] for r in rows}:
@@ -475,7 +475,7 @@ class DeltaStore:
                 self._seen(self.versions_written, "deployments", dt.version())
                 return True
             except CommitFailedError:  # another writer committed since the read
-                continue
+                time.sleep(random.uniform(0, 0.02 * 2**attempt))
         raise RuntimeError(f"the deployments registry kept changing; live not moved to {deployment_id}")
 
     @staticmethod
