@@ -71,6 +71,11 @@ EXECUTED: list[tuple[str, str, str]] = [
     (r"make data|python -m prodrl_pipeline\.envs\.lab_data data", THIS, r'"make", "-s", "data"'),
     (r"make study|python -m assets\.study (run|report).*", THIS, r'"assets\.study",\s*"run"'),
     (
+        r"python -m prodrl_pipeline\.rl\.retokenize .*",
+        "tests/rl/test_retokenize_causes.py",
+        r'"prodrl_pipeline\.rl\.retokenize"',
+    ),
+    (
         r"python -m prodrl_pipeline\.evals\.fidelity_study.*",
         "tests/evals/test_fidelity.py",
         r'"prodrl_pipeline\.evals\.fidelity_study"',
