@@ -7,7 +7,7 @@ from pathlib import Path
 from dagster import Config, MaterializeResult, MetadataValue, asset
 
 from assets import metadata
-from prodrl_pipeline.evals.fidelity_study import recommendation, section
+from prodrl_pipeline.evals.fidelity_study import figures, recommendation, section
 from prodrl_pipeline.evals.study_report import build_report
 
 FINDING_COLUMNS = [
@@ -45,6 +45,7 @@ def study_report(config: StudyReportConfig) -> MaterializeResult:
         section([found]) if found else "",
         recommendation(found["rows"], found["steps"]) if found else "",
     )
+    report.figures |= figures(found) if found else {}
     report.save(out)
     curves = {name.removesuffix(".png"): metadata.image(png, name) for name, png in report.figures.items()}
     return MaterializeResult(

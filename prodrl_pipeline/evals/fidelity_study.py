@@ -40,6 +40,7 @@ from prodrl_pipeline.evals.fidelity import (
     summarize,
     support_logprobs,
 )
+from prodrl_pipeline.evals.report import curves_png
 from prodrl_pipeline.model import TinyQwen3Config, build_model, load_model
 from prodrl_pipeline.quant.nvfp4 import export_deployment, load_deployment
 from prodrl_pipeline.rl.estimators import EstimatorConfig
@@ -310,9 +311,47 @@ def recommendation(rows: list[dict], steps: int) -> str:
     return "\n".join(lines)
 
 
-def section(results: list[dict]) -> str:
+PLOTTED = ("nvfp4_w4a4", "full")
+"""The engine and support the figures show (the lab's production-like deployment)."""
+
+
+def figures(result: dict) -> dict[str, bytes]:
+    """Per schedule, PNGs of each estimator's (without KL) cosine with grad J and its relative
+    variance against staleness, on the PLOTTED cells; cosines with their 95% bootstrap band."""
+    rows = [
+        r for r in result["rows"] if (r["engine"], r["support"]) == PLOTTED and "+kl" not in r["estimator"]
+    ]
+    out = {}
+    for schedule in dict.fromkeys(r.get("schedule", "sync") for r in rows):
+        mine = [r for r in rows if r.get("schedule", "sync") == schedule]
+        steps = sorted({r["staleness_steps"] for r in mine})
+        by = {(r["estimator"], r["staleness_steps"]): r for r in mine}
+        names = list(dict.fromkeys(r["estimator"] for r in mine))
+        where = f"{schedule}, {PLOTTED[0]}, {PLOTTED[1]}"
+        for metric, label in (
+            ("cosine", "cos(E[g], grad J), 95% band"),
+            ("relative_variance", "var / |grad J|^2"),
+        ):
+            cosine = metric == "cosine"
+            series = {n: [by[n, t][metric] for t in steps] for n in names}
+            bands = {
+                n: ([by[n, t]["cosine_lo"] for t in steps], [by[n, t]["cosine_hi"] for t in steps])
+                for n in names
+            }
+            out[f"fidelity_{schedule}_{metric}.png"] = curves_png(
+                steps,
+                series,
+                "optimizer steps since pi_k",
+                f"{where}: {label}",
+                bands if cosine else None,
+                not cosine,
+            )
+    return out
+
+
+def section(results: list[dict], figures_in: str = "results") -> str:
     """The "Gradient fidelity" section of docs/results.md from the JSON of one or more runs of the
-    command (e.g. an engine run on its own)."""
+    command (e.g. an engine run on its own), its `figures` linked from the folder `figures_in`."""
     runs = []
     for result in results:
         rows = result["rows"]
@@ -323,6 +362,7 @@ def section(results: list[dict]) -> str:
             f"`{result['command']}`: {len(rows)} cells, {result['seconds'] / 60:.0f} min wall time on 2",
             "CPU cores shared with other work.",
             "",
+            *(f"![{name.removesuffix('.png')}]({figures_in}/{name})\n" for name in figures(result)),
             markdown(rows, result["steps"]),
         ]
     return "\n".join(
@@ -395,7 +435,9 @@ def main() -> int:
     command = "python -m prodrl_pipeline.evals.fidelity_study " + " ".join(sys.argv[1:])
     result = {"command": command.strip(), "seconds": seconds, "steps": args.steps, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(section([result]))
+    out.with_suffix(".md").write_text(section([result], figures_in="."))
+    for name, png in figures(result).items():
+        (out.parent / name).write_bytes(png)
     print(f"{len(rows)} cells over {len(states)} states in {seconds:.0f} s: {out}.json, {out}.md")
     return 0
 

@@ -34,6 +34,7 @@ def curves_png(
     xlabel: str,
     title: str,
     bands: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+    log_y: bool = False,
 ) -> bytes:
     """One line per series against x, as PNG bytes; `bands[name]` = (low, high) shades a range
     around that series (e.g. min and max over seeds)."""
@@ -44,6 +45,8 @@ def curves_png(
             low, high = bands[name]
             ax.fill_between(list(x), list(low), list(high), color=line.get_color(), alpha=0.15)
     ax.set_xlabel(xlabel)
+    if log_y:
+        ax.set_yscale("log")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds and steps are whole numbers
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)

@@ -201,6 +201,9 @@ def test_the_fidelity_command(tmp_path: Path) -> None:
     behind = {r["schedule"]: r["round_start_drift"] for r in rows}
     assert behind["sync"] == 0 and behind["async1"] > 0  # async1's pi_k is S steps from the deployment
     assert "## Gradient fidelity" in out.with_suffix(".md").read_text()
+    for schedule in SCHEDULES:  # its figures, linked from the markdown beside them
+        assert f"(./fidelity_{schedule}_cosine.png)" in out.with_suffix(".md").read_text()
+        assert (tmp_path / f"fidelity_{schedule}_relative_variance.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_recommendation_follows_its_stated_rule_on_known_rows() -> None:
