@@ -28,6 +28,15 @@ from tests.test_sensor import _call, _feedback
 GATE = CanaryConfig(share=0.5, margin=0.3, confidence=0.95, min_per_arm=4, max_wait_hours=1.0)
 
 
+@pytest.fixture
+def gate(tmp_path):
+    """A Dagster instance, production resources and their tables, with the base deployment live."""
+    resources = _resources(tmp_path, source="production")
+    with instance_for_test() as instance:
+        assert materialize([base_model], instance=instance, resources=resources).success
+        yield instance, resources, resources["store"].tables()
+
+
 def _canary_traffic(tables, canary: dict, n: int) -> list[str]:
     """`n` single-call trajectories routed by `canary` as the gateway routes them (unscored)."""
     tids = [f"{canary['canary_id']}-t{i}" for i in range(n)]
@@ -69,36 +78,31 @@ def _run(instance, resources, **config):
     return result.get_asset_check_evaluations()
 
 
-def test_late_rewards_keep_the_gate_waiting_and_missing_ones_roll_back_at_the_maximum_wait(tmp_path):
-    resources = _resources(tmp_path, source="production")
-    tables = resources["store"].tables()
-    with instance_for_test() as instance:
-        assert materialize([base_model], instance=instance, resources=resources).success
-        late = _open(tables, 1)
-        tids = _canary_traffic(tables, late, 40)
-        assert "waiting: 0 candidate / 0 control" in _tick(instance, resources).skip_message
-        assert _run(instance, resources, round=1) == []  # launched early by hand: nothing decided
-        assert tables.live_deployment()["deployment_id"] == "base"
-        tables.append("landing_feedback", [_feedback(t) for t in tids])  # the rewards come, late
-        request = _tick(instance, resources)
-        assert request.run_key == late["canary_id"]
-        (check,) = _run(instance, resources, **request.run_config["ops"]["decide_canary"]["config"])
-        assert check.passed and check.description.startswith("promoted")  # all rewards 1: equal arms
-        assert tables.live_deployment()["deployment_id"] == "main-r000001"
+def test_late_rewards_keep_the_gate_waiting_and_missing_ones_roll_back_at_the_maximum_wait(gate):
+    instance, resources, tables = gate
+    late = _open(tables, 1)
+    tids = _canary_traffic(tables, late, 40)
+    assert "waiting: 0 candidate / 0 control" in _tick(instance, resources).skip_message
+    assert _run(instance, resources, round=1) == []  # launched early by hand: nothing decided
+    assert tables.live_deployment()["deployment_id"] == "base"
+    tables.append("landing_feedback", [_feedback(t) for t in tids])  # the rewards come, late
+    request = _tick(instance, resources)
+    assert request.run_key == late["canary_id"]
+    (check,) = _run(instance, resources, **request.run_config["ops"]["decide_canary"]["config"])
+    assert check.passed and check.description.startswith("promoted")  # all rewards 1: equal arms
+    assert tables.live_deployment()["deployment_id"] == "main-r000001"
 
-        never = _open(tables, 2)  # against base, as if round 2 was trained before the promotion
-        _canary_traffic(tables, never, 40)
-        assert "waiting" in _tick(instance, resources).skip_message
-        row = canaries.of_round(canaries.canaries(tables), "main-r000002")
-        two_hours_ago = datetime.now(UTC) - timedelta(hours=2)  # the canary opened past its max wait
-        tables.overwrite(
-            "canaries", [{**row, "opened_at": two_hours_ago}], f"canary_id = '{row['canary_id']}'"
-        )
-        (check,) = _run(instance, resources, round=2)
-        assert not check.passed and "of 4 per arm after 2.00 h (max_wait_hours 1)" in check.description
-        assert check.metadata["n_candidate"].value == 0 and "lower_bound" not in check.metadata
-        assert tables.live_deployment()["deployment_id"] == "main-r000001"  # live unchanged
-        assert isinstance(_tick(instance, resources).skip_message, str)  # nothing open: nothing requested
+    never = _open(tables, 2)  # against base, as if round 2 was trained before the promotion
+    _canary_traffic(tables, never, 40)
+    assert "waiting" in _tick(instance, resources).skip_message
+    row = canaries.of_round(canaries.canaries(tables), "main-r000002")
+    two_hours_ago = datetime.now(UTC) - timedelta(hours=2)  # the canary opened past its max wait
+    tables.overwrite("canaries", [{**row, "opened_at": two_hours_ago}], f"canary_id = '{row['canary_id']}'")
+    (check,) = _run(instance, resources, round=2)
+    assert not check.passed and "of 4 per arm after 2.00 h (max_wait_hours 1)" in check.description
+    assert check.metadata["n_candidate"].value == 0 and "lower_bound" not in check.metadata
+    assert tables.live_deployment()["deployment_id"] == "main-r000001"  # live unchanged
+    assert isinstance(_tick(instance, resources).skip_message, str)  # nothing open: nothing requested
 
 
 def test_an_operator_overrides_the_gate_from_the_job_config_and_the_next_round_waits_for_it(tmp_path):
@@ -133,111 +137,92 @@ def test_an_operator_overrides_the_gate_from_the_job_config_and_the_next_round_w
             assert round_sensor()(ctx).run_requests[0].partition_key == "r000002"  # decided: round 2 starts
 
 
-def test_of_a_rule_run_and_an_override_that_both_read_open_exactly_one_decision_applies(tmp_path):
-    resources = _resources(tmp_path, source="production")
-    tables = resources["store"].tables()
-    with instance_for_test() as instance:
-        assert materialize([base_model], instance=instance, resources=resources).success
-        canary = _open(tables, 1)
-        tables.append("landing_feedback", [_feedback(t) for t in _canary_traffic(tables, canary, 40)])
-        stale = canaries.of_round(canaries.canaries(tables), "main-r000001")  # what both runs read
-        (check,) = _run(instance, resources, round=1, decision="roll_back", operator="bob", reason="tickets")
-        assert not check.passed
-        with pytest.raises(canaries.AlreadyDecided, match="decided already: rolled_back by bob"):
-            canaries.settle(tables, stale, True, canaries.BY_RULE, "promoted: the rule", {})
-        row = canaries.of_round(canaries.canaries(tables), "main-r000001")
-        assert (row["status"], row["decided_by"]) == (canaries.ROLLED_BACK, "bob")
-        assert tables.live_deployment()["deployment_id"] == "base"  # the losing promotion moved nothing
-        assert canary_job.tags["prodrl/decision"] == "canary"  # instance.yaml runs these one at a time
+def test_of_a_rule_run_and_an_override_that_both_read_open_exactly_one_decision_applies(gate):
+    instance, resources, tables = gate
+    canary = _open(tables, 1)
+    tables.append("landing_feedback", [_feedback(t) for t in _canary_traffic(tables, canary, 40)])
+    stale = canaries.of_round(canaries.canaries(tables), "main-r000001")  # what both runs read
+    (check,) = _run(instance, resources, round=1, decision="roll_back", operator="bob", reason="tickets")
+    assert not check.passed
+    with pytest.raises(canaries.AlreadyDecided, match="decided already: rolled_back by bob"):
+        canaries.settle(tables, stale, True, canaries.BY_RULE, "promoted: the rule", {})
+    row = canaries.of_round(canaries.canaries(tables), "main-r000001")
+    assert (row["status"], row["decided_by"]) == (canaries.ROLLED_BACK, "bob")
+    assert tables.live_deployment()["deployment_id"] == "base"  # the losing promotion moved nothing
+    assert canary_job.tags["prodrl/decision"] == "canary"  # instance.yaml runs these one at a time
 
 
-def test_a_promotion_whose_run_died_after_its_claim_is_finished_by_the_next_run(tmp_path):
-    resources = _resources(tmp_path, source="production")
-    tables = resources["store"].tables()
-    with instance_for_test() as instance:
-        assert materialize([base_model], instance=instance, resources=resources).success
-        canary = _open(tables, 1)
-        canaries.close(tables, canary, canaries.PROMOTING, canaries.BY_RULE, "promoted: the rule", {})
-        assert tables.live_deployment()["deployment_id"] == "base"  # the run died here
-        request = _tick(instance, resources)
-        assert request.run_key == f"{canary['canary_id']}:finish"
-        (check,) = _run(instance, resources, **request.run_config["ops"]["decide_canary"]["config"])
-        assert check.passed and check.description == "promoted: the rule"
-        assert tables.live_deployment()["deployment_id"] == "main-r000001"
-        assert canaries.of_round(canaries.canaries(tables), "main-r000001")["status"] == canaries.PROMOTED
+def test_a_promotion_whose_run_died_after_its_claim_is_finished_by_the_next_run(gate):
+    instance, resources, tables = gate
+    canary = _open(tables, 1)
+    canaries.close(tables, canary, canaries.PROMOTING, canaries.BY_RULE, "promoted: the rule", {})
+    assert tables.live_deployment()["deployment_id"] == "base"  # the run died here
+    request = _tick(instance, resources)
+    assert request.run_key == f"{canary['canary_id']}:finish"
+    (check,) = _run(instance, resources, **request.run_config["ops"]["decide_canary"]["config"])
+    assert check.passed and check.description == "promoted: the rule"
+    assert tables.live_deployment()["deployment_id"] == "main-r000001"
+    assert canaries.of_round(canaries.canaries(tables), "main-r000001")["status"] == canaries.PROMOTED
 
 
-def test_a_canary_queued_behind_a_promoted_one_is_judged_against_the_new_live_and_can_pass(tmp_path):
-    resources = _resources(tmp_path, source="production")
-    tables = resources["store"].tables()
-    with instance_for_test() as instance:
-        assert materialize([base_model], instance=instance, resources=resources).success
-        first = _open(tables, 1)
-        queued = _open(tables, 2)  # async1: round 2 deployed while round 1's canary runs, against base
-        assert queued["control_id"] == "base"
-        tables.append("landing_feedback", [_feedback(t) for t in _canary_traffic(tables, first, 40)])
-        (check,) = _run(instance, resources, round=1)
-        assert check.passed and tables.live_deployment()["deployment_id"] == "main-r000001"
-        active, _ = canaries.active(canaries.canaries(tables))
-        assert (active["canary_id"], active["control_id"]) == (queued["canary_id"], "main-r000001")
-        tids = _canary_traffic(tables, active, 40)  # the gateway serves the control arm from live
-        tables.append("landing_feedback", [_feedback(t) for t in tids])
-        (check,) = _run(instance, resources, round=2)
-        assert check.passed and check.metadata["n_control"].value > 0
-        assert tables.live_deployment()["deployment_id"] == "main-r000002"
+def test_a_canary_queued_behind_a_promoted_one_is_judged_against_the_new_live_and_can_pass(gate):
+    instance, resources, tables = gate
+    first = _open(tables, 1)
+    queued = _open(tables, 2)  # async1: round 2 deployed while round 1's canary runs, against base
+    assert queued["control_id"] == "base"
+    tables.append("landing_feedback", [_feedback(t) for t in _canary_traffic(tables, first, 40)])
+    (check,) = _run(instance, resources, round=1)
+    assert check.passed and tables.live_deployment()["deployment_id"] == "main-r000001"
+    active, _ = canaries.active(canaries.canaries(tables))
+    assert (active["canary_id"], active["control_id"]) == (queued["canary_id"], "main-r000001")
+    tids = _canary_traffic(tables, active, 40)  # the gateway serves the control arm from live
+    tables.append("landing_feedback", [_feedback(t) for t in tids])
+    (check,) = _run(instance, resources, round=2)
+    assert check.passed and check.metadata["n_control"].value > 0
+    assert tables.live_deployment()["deployment_id"] == "main-r000002"
 
 
-def test_the_active_canary_follows_live_forward_only_whatever_moved_it(tmp_path):
+def test_the_active_canary_follows_live_forward_only_whatever_moved_it(gate):
     """`sync` (each sensor tick, each job, after each decision) gives the active canary live as its
     control, even when the run that moved live died before doing so; a canary whose candidate can no
     longer go live (live is a later round) is closed, not judged."""
-    resources = _resources(tmp_path, source="production")
-    tables = resources["store"].tables()
-    with instance_for_test() as instance:
-        assert materialize([base_model], instance=instance, resources=resources).success
-        first, second, third = _open(tables, 1), _open(tables, 2), _open(tables, 3)
-        with pytest.MonkeyPatch.context() as mp:  # the deciding run dies right after its decision
-            mp.setattr(canaries, "sync", lambda store: canaries.canaries(store))
-            canaries.settle(tables, first, True, canaries.BY_RULE, "promoted: the rule", {})
-        assert canaries.of_round(canaries.canaries(tables), "main-r000002")["control_id"] == "base"
-        assert "waiting" in _tick(instance, resources).skip_message
-        assert canaries.of_round(canaries.canaries(tables), "main-r000002")["control_id"] == "main-r000001"
+    instance, resources, tables = gate
+    first, second, third = _open(tables, 1), _open(tables, 2), _open(tables, 3)
+    with pytest.MonkeyPatch.context() as mp:  # the deciding run dies right after its decision
+        mp.setattr(canaries, "sync", lambda store: canaries.canaries(store))
+        canaries.settle(tables, first, True, canaries.BY_RULE, "promoted: the rule", {})
+    assert canaries.of_round(canaries.canaries(tables), "main-r000002")["control_id"] == "base"
+    assert "waiting" in _tick(instance, resources).skip_message
+    assert canaries.of_round(canaries.canaries(tables), "main-r000002")["control_id"] == "main-r000001"
 
-        tables.set_live("main-r000003")  # live moved past round 2 by other means (by hand)
-        assert _tick(instance, resources).skip_message == "no open canary"
-        row = canaries.of_round(canaries.canaries(tables), "main-r000002")
-        assert (row["status"], row["control_id"]) == (canaries.ROLLED_BACK, "main-r000001")
-        assert row["reason"] == "not judged: live is main-r000003 (round 3), and live only moves forward"
-        third = canaries.of_round(canaries.canaries(tables), "main-r000003")
-        assert (third["status"], third["reason"]) == (
-            canaries.ROLLED_BACK,
-            "not judged: its candidate is live already",
-        )
-        assert second["canary_id"] == row["canary_id"]
+    tables.set_live("main-r000003")  # live moved past round 2 by other means (by hand)
+    assert _tick(instance, resources).skip_message == "no open canary"
+    row = canaries.of_round(canaries.canaries(tables), "main-r000002")
+    assert (row["status"], row["control_id"]) == (canaries.ROLLED_BACK, "main-r000001")
+    assert row["reason"] == "not judged: live is main-r000003 (round 3), and live only moves forward"
+    third = canaries.of_round(canaries.canaries(tables), "main-r000003")
+    assert (third["status"], third["reason"]) == (
+        canaries.ROLLED_BACK,
+        "not judged: its candidate is live already",
+    )
+    assert second["canary_id"] == row["canary_id"]
 
 
-def test_a_candidate_exported_again_supersedes_its_open_canary_and_waits_for_a_promoting_one(tmp_path):
-    resources = _resources(tmp_path, source="production")
-    tables = resources["store"].tables()
-    with instance_for_test() as instance:
-        assert materialize([base_model], instance=instance, resources=resources).success
-        canary = _open(tables, 1)
+def test_a_candidate_exported_again_supersedes_its_open_canary_and_waits_for_a_promoting_one(gate):
+    instance, resources, tables = gate
+    canary = _open(tables, 1)
+    canaries.supersede(tables, "main-r000001")
+    row = canaries.of_round(canaries.canaries(tables), "main-r000001")
+    assert (row["status"], row["reason"]) == (
+        canaries.ROLLED_BACK,
+        "superseded: the candidate was exported again",
+    )
+    again = _open(tables, 1)
+    assert again["canary_id"] == "main-r000001.2" != canary["canary_id"]
+    canaries.close(tables, again, canaries.PROMOTING, canaries.BY_RULE, "promoted: the rule", {})
+    with pytest.raises(canaries.CanaryBusy, match=r"canary main-r000001.2 of main-r000001 is being promoted"):
         canaries.supersede(tables, "main-r000001")
-        row = canaries.of_round(canaries.canaries(tables), "main-r000001")
-        assert (row["status"], row["reason"]) == (
-            canaries.ROLLED_BACK,
-            "superseded: the candidate was exported again",
-        )
-        again = _open(tables, 1)
-        assert again["canary_id"] == "main-r000001.2" != canary["canary_id"]
-        canaries.close(tables, again, canaries.PROMOTING, canaries.BY_RULE, "promoted: the rule", {})
-        with pytest.raises(
-            canaries.CanaryBusy, match=r"canary main-r000001.2 of main-r000001 is being promoted"
-        ):
-            canaries.supersede(tables, "main-r000001")
-        with pytest.raises(
-            Failure, match="is being promoted .* decided already; canary_job with decision rule"
-        ):
-            _run(instance, resources, round=1, decision="roll_back", operator="alice", reason="no")
-        (check,) = _run(instance, resources, round=1)  # the rule finishes it
-        assert check.passed and tables.live_deployment()["deployment_id"] == "main-r000001"
+    with pytest.raises(Failure, match="is being promoted .* decided already; canary_job with decision rule"):
+        _run(instance, resources, round=1, decision="roll_back", operator="alice", reason="no")
+    (check,) = _run(instance, resources, round=1)  # the rule finishes it
+    assert check.passed and tables.live_deployment()["deployment_id"] == "main-r000001"
