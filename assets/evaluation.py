@@ -19,6 +19,7 @@ def evaluate_deployment(
         round_=round_,
         seed=lab.seed,
         mode=lab.mode,
+        constrain=lab.mode == "structured" or lab.constrain_moves,  # structured: always, as before
         max_tokens=lab.max_tokens,
     )
     tables.overwrite(

@@ -42,10 +42,11 @@ EstimatorSettings = config_class(EstimatorConfig, "EstimatorSettings", __name__)
 CanarySettings = config_class(CanaryConfig, "CanarySettings", __name__)
 
 MODE_DEFAULTS: dict[str, dict[str, object]] = {
-    "free_text": {"constrain_moves": False, "max_tokens": 128},
+    "free_text": {"constrain_moves": False, "max_tokens": 128, "warm_start_steps": 80, "warm_start_lr": 3e-3},
 }
 """The settings a mode defaults differently from the structured mode (the field defaults): a
-free-text turn is unconstrained and runs to ~110 tokens with 20 checks to list."""
+free-text turn is unconstrained and runs to ~100 tokens with 20 checks to list, and its warm start
+learns ~52 tokens a turn instead of one choice (docs/lab.md)."""
 
 
 class LabResource(ConfigurableResource):
@@ -105,8 +106,8 @@ class LabResource(ConfigurableResource):
     top_logprobs: int = 20
     """K: head of mu recorded per position."""
     constrain_moves: bool = True
-    """Structured outputs: the move argument is limited to the listed legal moves (structured mode
-    only)."""
+    """Structured outputs: the move argument is limited to the listed legal moves (free_text mode:
+    a required `move` call once the reasoning has ended; off by default there)."""
     partial_credit: bool = False
     """Reward the fraction of player moves found instead of 0/1."""
     eval_puzzles: int = 0
@@ -220,8 +221,6 @@ class LabResource(ConfigurableResource):
                 build()
             except ValueError as e:
                 raise ValueError(f"the {what} settings ({', '.join(settings.split())}): {e}") from e
-        if self.mode == "free_text" and self.constrain_moves:
-            raise ValueError("constrain_moves: the free_text mode serves its calls unconstrained")
         if self.source == "production" and not self.base_checkpoint:
             raise ValueError(
                 "source production starts from the deployment's own model: set base_checkpoint to its "

@@ -17,11 +17,12 @@ from datetime import UTC, datetime
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.chat.render import render_ids
+from prodrl_pipeline.engine.constraints import AfterReasoning
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import parse_assistant_text
-from prodrl_pipeline.envs.chess_env import ChessEpisode, Mode
+from prodrl_pipeline.envs.chess_env import THINK_CLOSE, ChessEpisode, Mode
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
 from prodrl_pipeline.records import support
@@ -55,10 +56,10 @@ def play(
     progress: Callable[[int, int], None] | None = None,
 ) -> Rollouts:
     """Play each puzzle once in `mode` (chess_env.Mode). With `constrain`, the `move` argument is
-    limited to the legal moves (structured outputs); otherwise the model writes it and a malformed
-    call or an illegal move ends the episode with reward 0 (the call is recorded all the same)."""
-    if constrain and mode == "free_text":
-        raise ValueError("the free-text mode serves its calls unconstrained")
+    limited to the legal moves (structured outputs; in the free-text mode from the end of the
+    reasoning on); otherwise the model writes it and a malformed call or an illegal move ends the
+    episode with reward 0 (the call is recorded all the same)."""
+    think_close = tokenizer.convert_tokens_to_ids(THINK_CLOSE) if mode == "free_text" else None
     calls, trajectories = [], []
     for start in range(0, len(puzzles), batch_size):
         chunk = puzzles[start : start + batch_size]
@@ -79,6 +80,8 @@ def play(
                     if constrain
                     else None
                 )
+                if constraint and think_close is not None:
+                    constraint = AfterReasoning(constraint, think_close)
                 requests.append(Request(render_ids(tokenizer, e.messages), params, constraint))
             batch_seed = seed * 1_000_003 + start * 101 + turn
             outs = engine.generate(requests, seed=batch_seed)

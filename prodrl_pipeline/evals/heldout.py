@@ -22,11 +22,12 @@ def evaluate(
     round_: int,
     seed: int = 0,
     mode: Mode = "structured",
+    constrain: bool = True,
     max_tokens: int = 64,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[dict]:
     """One `eval_results` row per puzzle (greedy decoding: deterministic for fixed weights), played
-    in `mode` as its traffic is: structured outputs in the structured mode, free text otherwise."""
+    in `mode`, with the move constrained as `rollout.play`'s `constrain` says."""
     rollouts = play(
         engine,
         tokenizer,
@@ -36,7 +37,7 @@ def evaluate(
         round_=round_,
         seed=seed,
         mode=mode,
-        constrain=mode == "structured",
+        constrain=constrain,
         progress=progress,
     )
     themes = {p.puzzle_id: p.themes for p in puzzles}

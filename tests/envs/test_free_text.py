@@ -10,10 +10,19 @@ from prodrl_pipeline.chat.render import load_tokenizer, render_ids
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import parse_assistant_text
-from prodrl_pipeline.envs.chess_env import ChessEpisode, answer_message, legal_move_texts, move_text
+from prodrl_pipeline.envs.chess_env import (
+    ChessEpisode,
+    answer_message,
+    legal_move_texts,
+    move_text,
+    parse_move_call,
+)
 from prodrl_pipeline.envs.rollout import play
+from prodrl_pipeline.envs.spellings import move_spelling, traffic_stats
+from prodrl_pipeline.model import build_model
+from prodrl_pipeline.records import support
 from prodrl_pipeline.records.validate import split_valid
-from prodrl_pipeline.rl.warmstart import solved_turns
+from prodrl_pipeline.rl.warmstart import solved_turns, warm_start
 from tests.conftest import build_tiny
 
 
@@ -150,10 +159,27 @@ def test_every_free_text_call_is_recorded_and_valid(free_tok, train_puzzles, tmp
         assert messages[-1]["role"] == "assistant" and call["prompt_token_ids"] == render_ids(
             free_tok, messages[:-1]
         )
-    with pytest.raises(ValueError, match="unconstrained"):
-        play(
-            engine, free_tok, train_puzzles[:1], params, deployment_id="d", round_=1, seed=0, mode="free_text"
-        )
+
+
+def test_tool_choice_constrains_the_call_once_the_reasoning_has_ended(free_tok, train_puzzles):
+    """constrain=True in the free-text mode: the reasoning is free, the call after `</think>` is
+    one of the legal moves' (a bias makes the random model end its reasoning at once)."""
+    model = build_tiny(free_tok)
+    engine = TorchEngine(model.eval(), free_tok.eos_token_id, free_tok.pad_token_id, top_logprobs=5)
+    think_close = free_tok.convert_tokens_to_ids("</think>")
+    params = SamplingParams(max_tokens=64, logit_bias=((think_close, 100.0),))
+    puzzles = train_puzzles[:6]
+    rollouts = play(engine, free_tok, puzzles, params, deployment_id="d", round_=1, seed=0, mode="free_text")
+    for call in rollouts.calls:
+        text = free_tok.decode(call["completion_token_ids"], skip_special_tokens=False)
+        assert text.startswith("</think><tool_call>") and text.endswith("<|im_end|>"), text
+        sizes = [s.size for s in support.of_call(call)]
+        assert sizes[0] == len(free_tok) and 1 < min(s for s in sizes if s > 1) < len(free_tok)
+    legal = {p.puzzle_id: set(ChessEpisode(p).allowed_moves()) for p in puzzles}
+    firsts = [c for c in rollouts.calls if c["call_index"] == 0]
+    for call, puzzle in zip(firsts, puzzles, strict=True):
+        move = parse_move_call(parse_assistant_text(free_tok.decode(call["completion_token_ids"])))
+        assert move in legal[puzzle.puzzle_id]
 
 
 def test_warm_start_turns_are_the_templates_rendering_of_the_answer(free_tok, train_puzzles):
@@ -164,3 +190,52 @@ def test_warm_start_turns_are_the_templates_rendering_of_the_answer(free_tok, tr
     assert text.startswith("<think>Checks: ") and text.endswith("</tool_call><|im_end|>")
     first_answer = free_tok.decode(turns[1].prompt_ids, skip_special_tokens=False).split("assistant\n")[1]
     assert first_answer.startswith("<tool_call>")  # the first turn's reasoning dropped
+
+
+def test_a_move_spelled_otherwise_is_counted_non_canonical(free_tok, train_puzzles):
+    puzzle = train_puzzles[0]
+    episode = ChessEpisode(puzzle, mode="free_text")
+    move = move_text(episode.board, chess.Move.from_uci(puzzle.moves[1]))
+    prompt = render_ids(free_tok, episode.messages)
+    answer = answer_message(episode.allowed_moves(), move, "free_text")
+    served = render_ids(free_tok, [*episode.messages, answer], add_generation_prompt=False)[len(prompt) :]
+    served = served[: served.index(free_tok.eos_token_id) + 1]
+    assert move_spelling(free_tok, served) == (move, True)
+    canonical = free_tok.encode(move, add_special_tokens=False)
+    at = next(i for i in range(len(served)) if served[i : i + len(canonical)] == canonical)
+    other = next(s for s in _spellings(free_tok, move) if s != canonical)
+    assert move_spelling(free_tok, served[:at] + other + served[at + len(canonical) :]) == (move, False)
+    assert move_spelling(free_tok, served[:at]) is None  # cut off inside the call
+    unrestricted = support.columns([support.unrestricted(len(free_tok))] * len(served))
+    stats = traffic_stats(free_tok, [{"completion_token_ids": served, **unrestricted}] * 3)
+    assert stats["parse_rate"] == 1.0 and stats["non_canonical_per_1000"] == 0.0
+    assert stats["sampled_tokens_median"] == len(served)
+
+
+@pytest.mark.slow
+def test_the_warm_started_free_text_base_writes_well_formed_calls(free_tok, train_puzzles):
+    """The free-text mode's default warm start (LabResource): >= 95% of its sampled calls parse."""
+    from resources.lab import LabResource
+
+    lab = LabResource(mode="free_text")
+    model = build_model(lab.tiny_model(), len(free_tok), free_tok.pad_token_id)
+    cfg = lab.warm_start()
+    warm_start(
+        model,
+        solved_turns(free_tok, cfg.demonstrations(lab.puzzles("warmup")), "free_text"),
+        cfg,
+        free_tok.pad_token_id,
+    )
+    engine = TorchEngine(model.eval(), free_tok.eos_token_id, free_tok.pad_token_id)
+    rollouts = play(
+        engine,
+        free_tok,
+        train_puzzles[:256],
+        lab.sampling(),
+        deployment_id="d",
+        round_=1,
+        seed=0,
+        mode="free_text",
+        constrain=False,
+    )
+    assert traffic_stats(free_tok, rollouts.calls)["parse_rate"] >= 0.95
