@@ -42,7 +42,12 @@ EstimatorSettings = config_class(EstimatorConfig, "EstimatorSettings", __name__)
 CanarySettings = config_class(CanaryConfig, "CanarySettings", __name__)
 
 MODE_DEFAULTS: dict[str, dict[str, object]] = {
-    "free_text": {"constrain_moves": False, "max_tokens": 128, "warm_start_steps": 80, "warm_start_lr": 3e-3},
+    "free_text": {
+        "constrain_moves": False,
+        "max_tokens": 128,
+        "warm_start_steps": 200,
+        "warm_start_lr": 3e-3,
+    },
 }
 """The settings a mode defaults differently from the structured mode (the field defaults): a
 free-text turn is unconstrained and runs to ~100 tokens with 20 checks to list, and its warm start

@@ -222,7 +222,7 @@ def test_the_tokenizers_rebuild_byte_for_byte():
 @pytest.mark.slow
 def test_the_documented_lab_traffic_command():
     out = _run([sys.executable, "-m", "assets.lab_traffic", "--mode", "free_text"], 3600).stdout
-    assert "parse_rate" in out and "non_canonical_per_1000" in out
+    assert "round1_parse_rate" in out and "round1_non_canonical_per_1000" in out
 
 
 @pytest.mark.slow
