@@ -37,7 +37,7 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         "model": asdict(lab.tiny_model()),
         "vocab_size": len(tok),
         "warm_start": asdict(warm) if warm else None,
-        "data": None if lab.base_checkpoint else base_inputs_digest(lab.data_dir),
+        "data": None if lab.base_checkpoint else base_inputs_digest(lab.data_dir, lab.mode),
     }
     artifacts = store.artifacts()
     try:  # the registered base checkpoint's folder (on S3 a version of it) and its meta
@@ -117,7 +117,7 @@ def _warm_start(
         return []
     tok = lab.tokenizer()
     puzzles = cfg.demonstrations(lab.puzzles("warmup"))
-    turns = solved_turns(tok, puzzles)
+    turns = solved_turns(tok, puzzles, lab.mode)
     context.log.info(
         f"warm start: {cfg.steps} steps of {cfg.batch_size} over {len(turns)} solved turns "
         f"of {len(puzzles)} warmup puzzles"

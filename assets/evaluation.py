@@ -18,6 +18,9 @@ def evaluate_deployment(
         deployment_id=deployment["deployment_id"],
         round_=round_,
         seed=lab.seed,
+        mode=lab.mode,
+        constrain=lab.mode == "structured" or lab.constrain_moves,  # structured: always, as before
+        max_tokens=lab.max_tokens,
     )
     tables.overwrite(
         "eval_results", rows, f"round = {round_} AND deployment_id = '{deployment['deployment_id']}'"

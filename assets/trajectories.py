@@ -138,6 +138,7 @@ def _collect_lab(  # noqa: PLR0913
         deployment_id=live["deployment_id"],
         round_=k,
         seed=lab.seed * 1_000_003 + k,
+        mode=lab.mode,
         constrain=lab.constrain_moves,
         partial_credit=lab.partial_credit,
         progress=lambda done, total: context.log.info(f"round {k}: {done}/{total} trajectories"),

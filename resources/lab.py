@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Literal
 
 from dagster import ConfigurableResource, InitResourceContext
+from pydantic import model_validator
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import check_recording
 from prodrl_pipeline.engine.sampler import TorchEngine
-from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
+from prodrl_pipeline.envs.chess_env import Mode
+from prodrl_pipeline.envs.lab_data import TOKENIZER_DIRS, iter_lab_puzzles
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.evals.canary import CanaryConfig
 from prodrl_pipeline.evals.gate import check_gate_settings
@@ -39,6 +41,18 @@ def _puzzles(data_dir: str, split: str) -> tuple[Puzzle, ...]:
 EstimatorSettings = config_class(EstimatorConfig, "EstimatorSettings", __name__)
 CanarySettings = config_class(CanaryConfig, "CanarySettings", __name__)
 
+MODE_DEFAULTS: dict[str, dict[str, object]] = {
+    "free_text": {
+        "constrain_moves": False,
+        "max_tokens": 128,
+        "warm_start_steps": 200,
+        "warm_start_lr": 3e-3,
+    },
+}
+"""The settings a mode defaults differently from the structured mode (the field defaults): a
+free-text turn is unconstrained and runs to ~100 tokens with 20 checks to list, and its warm start
+learns ~52 tokens a turn instead of one choice (docs/lab.md)."""
+
 
 class LabResource(ConfigurableResource):
     """Everything a lab round needs besides storage. Defaults are the embedded CPU lab."""
@@ -58,8 +72,13 @@ class LabResource(ConfigurableResource):
     another estimator), following its own checkpoint chain, never collecting and never moving live."""
     compare_to: str = "main"
     """The experiment a counterfactual replay is compared with, side by side, in eval_report."""
+    mode: Mode = "structured"
+    """How the model answers a turn (envs/chess_env.py, docs/lab.md): `structured`, one sampled
+    token a call (the move, constrained to the legal moves, the rest forced); or `free_text`, a
+    sampled reasoning segment and call (several-token moves, no constraint), with its own tokenizer
+    and template. Settings it defaults otherwise: `MODE_DEFAULTS`."""
     data_dir: str = "data"
-    """Shipped puzzles (Lichess CSV) and tokenizer."""
+    """Shipped puzzles (Lichess CSV) and each mode's tokenizer."""
     base_checkpoint: str = ""
     """An HF checkpoint directory (weights and tokenizer) to start from instead of building the tiny
     model; required with source production."""
@@ -92,7 +111,8 @@ class LabResource(ConfigurableResource):
     top_logprobs: int = 20
     """K: head of mu recorded per position."""
     constrain_moves: bool = True
-    """Structured outputs: the move argument is limited to the listed legal moves."""
+    """Structured outputs: the move argument is limited to the listed legal moves (free_text mode:
+    a required `move` call once the reasoning has ended; off by default there)."""
     partial_credit: bool = False
     """Reward the fraction of player moves found instead of 0/1."""
     eval_puzzles: int = 0
@@ -154,6 +174,14 @@ class LabResource(ConfigurableResource):
     """The model name that server serves (`--served-model-name`)."""
     seed: int = 0
     """Seed of puzzle sampling, engine sampling and minibatch shuffles."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_defaults(cls, data: object) -> object:
+        """A setting the mode defaults otherwise (`MODE_DEFAULTS`) takes that default unless given."""
+        if isinstance(data, dict):
+            return {**MODE_DEFAULTS.get(data.get("mode", "structured"), {}), **data}
+        return data
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         """A run's settings, whatever set them (the settings file, the launchpad's run config, the
@@ -252,8 +280,8 @@ class LabResource(ConfigurableResource):
         )
 
     def tokenizer_path(self) -> str:
-        """The base checkpoint's tokenizer (production), else the lab's shipped one."""
-        return str(Path(self.base_checkpoint or Path(self.data_dir) / "tokenizer"))
+        """The base checkpoint's tokenizer (production), else the lab's shipped one for the mode."""
+        return str(Path(self.base_checkpoint or Path(self.data_dir) / TOKENIZER_DIRS[self.mode]))
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return _tokenizer(self.tokenizer_path())

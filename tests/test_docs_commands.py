@@ -69,6 +69,16 @@ EXECUTED: list[tuple[str, str, str]] = [
     ),
     (r"python -m bench\.(gateway(_load)? .*|w4a4_mismatch)", THIS, r"BENCH_COMMANDS"),
     (r"make data|python -m prodrl_pipeline\.envs\.lab_data data", THIS, r'"make", "-s", "data"'),
+    (
+        r"python -m prodrl_pipeline\.envs\.lab_data data --tokenizers-only",
+        THIS,
+        r'"prodrl_pipeline\.envs\.lab_data", "data", "--tokenizers-only"',
+    ),
+    (
+        r"python -m assets\.lab_traffic --mode free_text",
+        THIS,
+        r'"assets\.lab_traffic", "--mode", "free_text"',
+    ),
     (r"make study|python -m assets\.study (run|report).*", THIS, r'"assets\.study",\s*"run"'),
     (
         r"python -m prodrl_pipeline\.rl\.retokenize .*",
@@ -205,6 +215,19 @@ def test_make_data_regenerates_the_shipped_data_byte_for_byte():
     _run(["make", "-s", "data"], 3600)
     changed = _run(["git", "status", "--porcelain", "data"], 60).stdout
     assert not changed, changed
+
+
+@pytest.mark.slow
+def test_the_tokenizers_rebuild_byte_for_byte():
+    _run([sys.executable, "-m", "prodrl_pipeline.envs.lab_data", "data", "--tokenizers-only"], 1800)
+    changed = _run(["git", "status", "--porcelain", "data"], 60).stdout
+    assert not changed, changed
+
+
+@pytest.mark.slow
+def test_the_documented_lab_traffic_command():
+    out = _run([sys.executable, "-m", "assets.lab_traffic", "--mode", "free_text"], 3600).stdout
+    assert "round1_parse_rate" in out and "round1_non_canonical_per_1000" in out
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from assets.eval_report import eval_report
 from assets.partitions import round_key
 from assets.torchrun import trainer_pod_spec
 from assets.trajectories import trajectories
-from prodrl_pipeline.chat.render import load_tokenizer
+from prodrl_pipeline.chat.render import load_tokenizer, render_ids
 from prodrl_pipeline.model import SIZES, TinyQwen3Config, build_model
 from prodrl_pipeline.quant.nvfp4 import load_deployment
 from prodrl_pipeline.records.registry import BASE, lookup, register_checkpoint
@@ -274,6 +274,26 @@ def test_the_base_is_reused_and_not_rebuilt_under_checkpoints_trained_from_it(tm
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         assert "settings changed (warm_start)" in str(failure.event_specific_data.error)
         assert "main-r000001" in str(failure.event_specific_data.error)
+
+
+def test_a_free_text_lab_runs_a_round_on_its_own_tokenizer_and_template(tmp_path):
+    """mode free_text flows through every asset of a round: the base is built for its tokenizer,
+    collection and the held-out evaluation play free text, and each call's conversation ends with
+    the answer it was served for."""
+    resources = _resources(tmp_path, mode="free_text", max_tokens=16)
+    with instance_for_test() as instance:
+        run_rounds(instance, resources, [1])
+    tables = resources["store"].tables()
+    free = load_tokenizer("data/tokenizer_free_text")
+    calls = tables.read("calls", 1).to_pylist()
+    assert calls and all(c["vocab_size"] == len(free) for c in calls)
+    for call in calls:
+        messages = json.loads(call["messages_json"])
+        assert messages[-1]["role"] == "assistant" and call["prompt_token_ids"] == render_ids(
+            free, messages[:-1]
+        )
+    evaluated = tables.read("eval_results").to_pylist()
+    assert {r["round"] for r in evaluated} == {0, 1} and len(evaluated) == 2 * TINY["eval_puzzles"]
 
 
 def test_a_w4a4_lab_records_what_its_nvfp4_activations_serve(tmp_path):

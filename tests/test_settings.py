@@ -33,6 +33,20 @@ def test_unset_is_the_embedded_lab():
     assert resources_from_environment({"PRODRL_SETTINGS": ""})["lab"].source == "lab"  # empty is unset
 
 
+def test_a_settings_file_selects_the_free_text_mode_and_its_defaults_unless_given(tmp_path):
+    path = tmp_path / "free_text.yaml"
+    path.write_text("lab:\n  mode: free_text\n  max_tokens: 96\n")
+    lab = resources_from_environment({"PRODRL_SETTINGS": str(path)})["lab"]
+    assert (lab.mode, lab.constrain_moves, lab.max_tokens) == ("free_text", False, 96)
+    assert lab.tokenizer_path() == "data/tokenizer_free_text" and lab.warm_start().steps == 200
+    structured = LabResource()
+    assert (structured.constrain_moves, structured.max_tokens, structured.tokenizer_path()) == (
+        True,
+        64,
+        "data/tokenizer",
+    )
+
+
 def test_a_settings_file_selects_production_its_experiment_thresholds_and_store(tmp_path):
     path = tmp_path / "production.yaml"
     path.write_text(PRODUCTION.format(root=tmp_path / "store"))

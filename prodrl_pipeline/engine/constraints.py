@@ -7,7 +7,8 @@ that are the only ones allowed from here on (fed without sampling, recorded with
 a one-token support), `finished` says that no id may follow.
 
 `ChoiceConstraint` (one of a set of token sequences) serves tool calls over an enum;
-`engine/grammar.py` serves JSON schemas.
+`engine/grammar.py` serves JSON schemas; `AfterReasoning` applies either once a reasoning
+segment has ended.
 """
 
 from __future__ import annotations
@@ -134,3 +135,44 @@ class ChoiceState:
     @property
     def finished(self) -> bool:
         return self.depth == len(self.ordered[self.lo])
+
+
+class AfterReasoning:
+    """`inner` from the end of the reasoning on: every id is allowed until `end_id` (the template's
+    end-of-reasoning marker, Qwen3's `</think>`) has been sampled, then `inner` decides, as vLLM's
+    structured outputs do under a reasoning parser. `inner` must record its supports per position
+    (`recorded` None): a recorded grammar would not describe the reasoning."""
+
+    recorded = None
+
+    def __init__(self, inner: Constraint, end_id: int):
+        if inner.recorded is not None:
+            raise ValueError("a constraint after reasoning records its supports per position")
+        self.inner, self.end_id = inner, end_id
+
+    def start(self) -> AfterReasoningState:
+        return AfterReasoningState(self.inner.start(), self.end_id)
+
+
+class AfterReasoningState:
+    def __init__(self, inner: ConstraintState, end_id: int):
+        self.inner, self.end_id, self.reasoning = inner, end_id, True
+
+    def allow(self, row: torch.Tensor) -> None:
+        if self.reasoning:
+            row[:] = True
+        else:
+            self.inner.allow(row)
+
+    def advance(self, token: int) -> None:
+        if self.reasoning:
+            self.reasoning = token != self.end_id
+        else:
+            self.inner.advance(token)
+
+    def forced(self) -> list[int]:
+        return [] if self.reasoning else self.inner.forced()
+
+    @property
+    def finished(self) -> bool:
+        return not self.reasoning and self.inner.finished

@@ -1,9 +1,20 @@
-"""Tokenizer and chat template: a small byte-level BPE trained locally, one token per move string.
+"""Tokenizers and chat templates of the lab's two modes (`chess_env.Mode`), small byte-level BPEs
+trained locally.
 
-The chat template renders system/user/assistant/tool turns with ChatML-style special tokens and
-tool calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; an assistant turn ends
-with `<|im_end|>`, the engine's stop token. Move strings are added tokens (`single_word`), so a
-move in the legal-move list and the same move as a tool argument are the same token id.
+Both templates render system/user/assistant/tool turns with ChatML-style special tokens and tool
+calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; an assistant turn ends with
+`<|im_end|>`, the engine's stop token.
+
+- structured (`train_tokenizer`, `CHAT_TEMPLATE`): move strings are added tokens (`single_word`),
+  so a move in the legal-move list and the same move as a tool argument are the same token id.
+- free_text (`train_free_text_tokenizer`, `FREE_TEXT_TEMPLATE`): no move is a token. Digits are
+  tokens of their own (as in Qwen's tokenizer) and so are spaces, `+`, `=` and `-`: every SAN move
+  spans at least its letters and its rank, and is spelled alike in the list, the reasoning and the
+  argument. The BPE merges letters (`Bx`, `xf`, `Bxf`), so a move has several spellings that
+  decode to it. `<think>`/`</think>` are added, non-special tokens, as in Qwen3. The template
+  rewrites history as Qwen3's does: an assistant turn's reasoning (split off at `</think>`) is
+  kept only after the last user message, and a call's arguments are rendered from their parsed
+  object (`tojson`), never as the text the model wrote.
 """
 
 from __future__ import annotations
@@ -11,12 +22,17 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from prodrl_pipeline.envs.chess_env import THINK_CLOSE, THINK_OPEN
 
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
+FREE_TEXT_PIECES = Regex(r"\p{N}|\p{L}+|[+=#-]|[^\s\p{L}\p{N}+=#-]+|\s+")
+"""The free-text tokenizer's pre-tokens, within which BPE merges: a digit, a run of letters, one of
+`+=#-`, a run of other punctuation, a run of whitespace."""
 
 CHAT_TEMPLATE = (
     # No whitespace control: every newline below is part of the rendering.
@@ -44,13 +60,44 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+FREE_TEXT_TEMPLATE = (
+    # CHAT_TEMPLATE with Qwen3's rules for assistant turns (module docstring).
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
+    "{% endfor %}"
+    "{% if tools and messages[0].role != 'system' %}"
+    "<|im_start|>system\n# Tools\n<tools>{{ tools | tojson }}</tools><|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}"
+    "<|im_start|>system\n{{ m.content }}"
+    "{% if tools %}\n\n# Tools\n<tools>{{ tools | tojson }}</tools>{% endif %}"
+    "<|im_end|>\n"
+    "{% elif m.role == 'assistant' %}"
+    "{% set content = m.content or '' %}{% set thought = '' %}"
+    "{% if '</think>' in content %}"
+    "{% set thought = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{% endif %}"
+    "<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last_user and thought %}<think>{{ thought }}</think>{% endif %}"
+    "{{ content }}"
+    "{% for tc in m.tool_calls or [] %}"
+    '<tool_call>{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}'
+    "</tool_call>"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
-def train_tokenizer(
-    texts: Iterable[str], move_strings: Iterable[str], vocab_size: int = 1024
-) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on `texts`, then add one token per move string."""
+
+def _bpe(texts: Iterable[str], vocab_size: int, pre_tokenizer: pre_tokenizers.PreTokenizer) -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -59,16 +106,42 @@ def train_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    tok.add_tokens([AddedToken(m, single_word=True, normalized=False) for m in sorted(set(move_strings))])
+    return tok
+
+
+def _fast(tok: Tokenizer, chat_template: str) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
         eos_token=IM_END,
         pad_token=PAD,
         additional_special_tokens=[IM_START, TOOL_CALL_OPEN, TOOL_CALL_CLOSE],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
     )
+
+
+def train_tokenizer(
+    texts: Iterable[str], move_strings: Iterable[str], vocab_size: int = 1024
+) -> PreTrainedTokenizerFast:
+    """The structured mode's: a byte-level BPE on `texts`, then one added token per move string."""
+    tok = _bpe(texts, vocab_size, pre_tokenizers.ByteLevel(add_prefix_space=False))
+    tok.add_tokens([AddedToken(m, single_word=True, normalized=False) for m in sorted(set(move_strings))])
+    return _fast(tok, CHAT_TEMPLATE)
+
+
+def train_free_text_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """The free-text mode's: a byte-level BPE on `texts` merging only within `FREE_TEXT_PIECES`,
+    then `<think>` and `</think>` as added tokens."""
+    pieces = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(FREE_TEXT_PIECES, behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok = _bpe(texts, vocab_size, pieces)
+    tok.add_tokens([AddedToken(t, normalized=False) for t in (THINK_OPEN, THINK_CLOSE)])
+    return _fast(tok, FREE_TEXT_TEMPLATE)
 
 
 def tool_call_prefix(tool_name: str) -> str:

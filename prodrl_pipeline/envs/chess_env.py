@@ -5,6 +5,12 @@ answers with one `move` tool call. The environment checks the move against the p
 (Lichess rules: any mate is accepted on the last move), plays the opponent's reply and continues.
 Reward 1 for a solved puzzle, else 0 (`partial_credit` gives the fraction of player moves found).
 An illegal or malformed move ends the episode with the reward earned so far.
+
+Two modes (`Mode`). `structured`: the answer is the call alone and the next position comes in the
+call's result. `free_text`: the answer is a short reasoning segment, `<think>Checks: ...</think>`
+(the checking moves: a mate is among them), then the call; the result says only how the move
+went and the next position comes as a user message, so a template that keeps reasoning only after
+the last user message (Qwen3's) drops the earlier turns' reasoning from history.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
 import chess
 
@@ -30,6 +37,12 @@ MOVE_TOOL = {
     },
 }
 SYSTEM_PROMPT = "Solve the chess puzzle with the move tool."
+FREE_TEXT_SYSTEM_PROMPT = (
+    "Solve the chess puzzle. List the checks in <think></think>, then call the move tool."
+)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+Mode = Literal["structured", "free_text"]
+"""How the model answers a turn (module docstring)."""
 
 
 def move_text(board: chess.Board, move: chess.Move) -> str:
@@ -158,6 +171,21 @@ def tool_call_message(move: str, call_id: str = "call_0") -> dict:
     }
 
 
+def reasoning(moves: list[str]) -> str:
+    """The free-text mode's reasoning over a position's legal moves: its checks, in list order."""
+    checks = [m for m in moves if m.endswith("+")]
+    return "Checks: " + (" ".join(checks) if checks else "none")
+
+
+def answer_message(moves: list[str], move: str, mode: Mode) -> dict:
+    """The assistant message that plays `move` in a position with legal moves `moves`: the call
+    alone (structured), or the reasoning then the call (free_text)."""
+    message = tool_call_message(move)
+    if mode == "free_text":
+        message["content"] = f"{THINK_OPEN}{reasoning(moves)}{THINK_CLOSE}"
+    return message
+
+
 def parse_move_call(message: dict) -> str | None:
     """The `move` argument of the message's single tool call, or None if malformed."""
     calls = message.get("tool_calls") or []
@@ -177,6 +205,7 @@ class ChessEpisode:
 
     puzzle: Puzzle
     partial_credit: bool = False
+    mode: Mode = "structured"
     board: chess.Board = field(init=False)
     """The position (changed by `step` alone: the legal moves are rendered once per position)."""
     messages: list[dict] = field(init=False)
@@ -188,8 +217,9 @@ class ChessEpisode:
     def __post_init__(self) -> None:
         self.board = self.puzzle.start_board()
         self._legal = legal_moves_by_text(self.board)
+        system = FREE_TEXT_SYSTEM_PROMPT if self.mode == "free_text" else SYSTEM_PROMPT
         self.messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "system", "content": system},
             {"role": "user", "content": render_board(self.board, self.allowed_moves())},
         ]
 
@@ -222,9 +252,12 @@ class ChessEpisode:
         self.board.push(reply)
         self.ply += 2
         self._legal = legal_moves_by_text(self.board)
-        self._tool(
-            f"Correct. Opponent played {reply_text}.\n{render_board(self.board, self.allowed_moves())}"
-        )
+        position = render_board(self.board, self.allowed_moves())
+        if self.mode == "free_text":
+            self._tool(f"Correct. Opponent played {reply_text}.")
+            self.messages.append({"role": "user", "content": position})
+        else:
+            self._tool(f"Correct. Opponent played {reply_text}.\n{position}")
 
     def _tool(self, content: str) -> None:
         self.messages.append({"role": "tool", "tool_call_id": "call_0", "content": content})

@@ -3,7 +3,8 @@
 Regenerate with `python -m prodrl_pipeline.envs.lab_data data/` (about 8 minutes on 2 cores, see
 docs/puzzles.md); the result is deterministic for a given seed and committed, so nothing is
 generated at run time. Splits: `train` (RL), `warmup` (supervised warm start) and `heldout`
-(evaluation); the tokenizer is trained on train + warmup only.
+(evaluation); each mode's tokenizer (`TOKENIZER_DIRS`) is trained on train + warmup only.
+`--tokenizers-only` rebuilds the tokenizers from the shipped puzzles (about 40 s).
 """
 
 from __future__ import annotations
@@ -18,24 +19,24 @@ from pathlib import Path
 import chess
 from transformers import PreTrainedTokenizerBase
 
-from prodrl_pipeline.envs.chat import train_tokenizer
-from prodrl_pipeline.envs.chess_env import ChessEpisode, legal_move_texts, move_text, tool_call_message
+from prodrl_pipeline.envs.chat import train_free_text_tokenizer, train_tokenizer
+from prodrl_pipeline.envs.chess_env import ChessEpisode, Mode, answer_message, legal_move_texts, move_text
 from prodrl_pipeline.envs.puzzle_gen import balance_kinds, generate
 from prodrl_pipeline.envs.puzzles import Puzzle, puzzle_stats, read_puzzles, write_puzzles
 
 TRAIN_CSV, WARMUP_CSV, HELDOUT_CSV = "puzzles/train.csv", "puzzles/warmup.csv", "puzzles/heldout.csv"
-TOKENIZER_DIR = "tokenizer"
+TOKENIZER_DIRS: dict[Mode, str] = {"structured": "tokenizer", "free_text": "tokenizer_free_text"}
 SPLIT_CSV = {"train": TRAIN_CSV, "warmup": WARMUP_CSV, "heldout": HELDOUT_CSV}
 TOKENIZER_SPLITS = ("train", "warmup")
 LEGAL_MOVES = "Legal moves: "  # how `render_board` introduces the list
 
 
-def solved_transcript(puzzle: Puzzle) -> tuple[list[dict], set[str]]:
-    """The conversation of a solved episode and every move string shown in it."""
-    episode = ChessEpisode(puzzle)
+def solved_transcript(puzzle: Puzzle, mode: Mode = "structured") -> tuple[list[dict], set[str]]:
+    """The conversation of a solved episode in `mode` and every move string shown in it."""
+    episode = ChessEpisode(puzzle, mode=mode)
     while not episode.done:
-        uci = episode.puzzle.moves[episode.ply]
-        episode.step(tool_call_message(move_text(episode.board, chess.Move.from_uci(uci))))
+        move = move_text(episode.board, chess.Move.from_uci(episode.puzzle.moves[episode.ply]))
+        episode.step(answer_message(episode.allowed_moves(), move, mode))
     moves: set[str] = set()
     for message in episode.messages:
         for line in (message.get("content") or "").splitlines():
@@ -44,10 +45,10 @@ def solved_transcript(puzzle: Puzzle) -> tuple[list[dict], set[str]]:
     return episode.messages, moves
 
 
-def _corpus(puzzles: list[Puzzle], processes: int = 2) -> tuple[list[str], set[str]]:
-    """The texts of every solved transcript and the move strings they show (in puzzle order)."""
+def _corpus(puzzles: list[Puzzle], mode: Mode, processes: int = 2) -> tuple[list[str], set[str]]:
+    """The texts of every solved transcript in `mode` and the move strings they show (in puzzle order)."""
     with Pool(processes) as pool:
-        transcripts = pool.map(solved_transcript, puzzles, chunksize=64)
+        transcripts = pool.starmap(solved_transcript, [(p, mode) for p in puzzles], chunksize=64)
     texts, moves = [], set()
     for messages, shown in transcripts:
         moves |= shown
@@ -103,10 +104,10 @@ def single_token_share(tokenizer: PreTrainedTokenizerBase, puzzles: Iterable[Puz
     return ones / total if total else 0.0
 
 
-def base_inputs_digest(data_dir: str | Path) -> str:
-    """sha256 over the files the lab's base model is built from: the tokenizer and the warmup split."""
+def base_inputs_digest(data_dir: str | Path, mode: Mode = "structured") -> str:
+    """sha256 over the files the lab's base model is built from: the mode's tokenizer and the warmup split."""
     digest = hashlib.sha256()
-    for name in ("tokenizer/tokenizer.json", "puzzles/warmup.csv"):
+    for name in (f"{TOKENIZER_DIRS[mode]}/tokenizer.json", "puzzles/warmup.csv"):
         digest.update((Path(data_dir) / name).read_bytes())
     return digest.hexdigest()
 
@@ -138,20 +139,26 @@ def build(data_dir: Path, n_games: int, seed: int, vocab_size: int, processes: i
         print(f"{split}: found {stats['mate_in_1']} mate-in-1 and {stats['mate_in_2']} mate-in-2 puzzles")
         write_puzzles(kept, data_dir / SPLIT_CSV[split])
         print(f"{split}: {_format_stats(puzzle_stats(kept))}")
-    build_tokenizer(data_dir, vocab_size, processes)
+    for mode in TOKENIZER_DIRS:
+        build_tokenizer(data_dir, vocab_size, processes, mode)
 
 
-def build_tokenizer(data_dir: Path, vocab_size: int, processes: int = 2) -> None:
-    """Train the tokenizer on the train and warmup transcripts only; its move tokens are every
-    enumerated SAN string plus the (disambiguated) ones those transcripts show."""
+def build_tokenizer(data_dir: Path, vocab_size: int, processes: int = 2, mode: Mode = "structured") -> None:
+    """Train `mode`'s tokenizer on the train and warmup transcripts only. Structured: its move
+    tokens are every enumerated SAN string plus the (disambiguated) ones those transcripts show;
+    free_text: no move tokens (chat.py)."""
     puzzles = [p for split in TOKENIZER_SPLITS for p in iter_lab_puzzles(data_dir, split)]
-    texts, shown = _corpus(puzzles, processes)
-    moves = enumerated_move_strings() | shown
-    tokenizer = train_tokenizer(texts, moves, vocab_size)
-    tokenizer.save_pretrained(data_dir / TOKENIZER_DIR)
-    print(f"tokenizer: {len(tokenizer)} tokens, {len(moves)} of them moves")
+    texts, shown = _corpus(puzzles, mode, processes)
+    if mode == "free_text":
+        tokenizer = train_free_text_tokenizer(texts, vocab_size)
+        print(f"{mode} tokenizer: {len(tokenizer)} tokens")
+    else:
+        moves = enumerated_move_strings() | shown
+        tokenizer = train_tokenizer(texts, moves, vocab_size)
+        print(f"{mode} tokenizer: {len(tokenizer)} tokens, {len(moves)} of them moves")
+    tokenizer.save_pretrained(data_dir / TOKENIZER_DIRS[mode])
     share = single_token_share(tokenizer, iter_lab_puzzles(data_dir, "heldout"))
-    print(f"held-out legal-move strings that are one token: {share:.2%}")
+    print(f"{mode}: held-out legal-move strings that are one token: {share:.2%}")
 
 
 def main() -> None:
@@ -161,8 +168,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=2027)
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument(
+        "--tokenizers-only", action="store_true", help="rebuild the tokenizers from the shipped puzzles"
+    )
     args = parser.parse_args()
-    build(args.data_dir, args.games, args.seed, args.vocab_size, args.processes)
+    if args.tokenizers_only:
+        for mode in TOKENIZER_DIRS:
+            build_tokenizer(args.data_dir, args.vocab_size, args.processes, mode)
+    else:
+        build(args.data_dir, args.games, args.seed, args.vocab_size, args.processes)
 
 
 if __name__ == "__main__":

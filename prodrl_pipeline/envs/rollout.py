@@ -17,11 +17,12 @@ from datetime import UTC, datetime
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.chat.render import render_ids
+from prodrl_pipeline.engine.constraints import AfterReasoning
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import parse_assistant_text
-from prodrl_pipeline.envs.chess_env import ChessEpisode
+from prodrl_pipeline.envs.chess_env import THINK_CLOSE, ChessEpisode, Mode
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
 from prodrl_pipeline.records import support
@@ -48,17 +49,21 @@ def play(
     deployment_id: str,
     round_: int,
     seed: int,
+    mode: Mode = "structured",
     constrain: bool = True,
     partial_credit: bool = False,
     batch_size: int = 256,
     progress: Callable[[int, int], None] | None = None,
 ) -> Rollouts:
-    """Play each puzzle once. With `constrain`, the `move` argument is limited to the legal moves
-    (structured outputs); otherwise the model writes free text and malformed calls score 0."""
+    """Play each puzzle once in `mode` (chess_env.Mode). With `constrain`, the `move` argument is
+    limited to the legal moves (structured outputs; in the free-text mode from the end of the
+    reasoning on); otherwise the model writes it and a malformed call or an illegal move ends the
+    episode with reward 0 (the call is recorded all the same)."""
+    think_close = tokenizer.convert_tokens_to_ids(THINK_CLOSE) if mode == "free_text" else None
     calls, trajectories = [], []
     for start in range(0, len(puzzles), batch_size):
         chunk = puzzles[start : start + batch_size]
-        episodes = [ChessEpisode(p, partial_credit=partial_credit) for p in chunk]
+        episodes = [ChessEpisode(p, partial_credit=partial_credit, mode=mode) for p in chunk]
         ids = [
             _trajectory_id(deployment_id, round_, seed, start + i, p.puzzle_id) for i, p in enumerate(chunk)
         ]
@@ -75,12 +80,15 @@ def play(
                     if constrain
                     else None
                 )
+                if constraint and think_close is not None:
+                    constraint = AfterReasoning(constraint, think_close)
                 requests.append(Request(render_ids(tokenizer, e.messages), params, constraint))
             batch_seed = seed * 1_000_003 + start * 101 + turn
             outs = engine.generate(requests, seed=batch_seed)
             now = datetime.now(UTC)
             for i, req, out in zip(active, requests, outs, strict=True):
                 text = tokenizer.decode(out.token_ids, skip_special_tokens=False)
+                answered = len(episodes[i].messages) + 1  # the conversation up to this call's answer
                 episodes[i].step(parse_assistant_text(text))
                 calls.append(
                     {
@@ -99,7 +107,7 @@ def play(
                         "vocab_size": engine.vocab_size,
                         "sampling": params.recorded(batch_seed),
                         "finish_reason": out.finish_reason,
-                        "messages_json": json.dumps(episodes[i].messages[:-1]),
+                        "messages_json": json.dumps(episodes[i].messages[:answered]),
                         "created_at": now,
                     }
                 )

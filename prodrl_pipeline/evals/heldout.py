@@ -8,10 +8,9 @@ from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
+from prodrl_pipeline.envs.chess_env import Mode
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.envs.rollout import play
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
 def evaluate(
@@ -22,17 +21,23 @@ def evaluate(
     deployment_id: str,
     round_: int,
     seed: int = 0,
+    mode: Mode = "structured",
+    constrain: bool = True,
+    max_tokens: int = 64,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[dict]:
-    """One `eval_results` row per puzzle (greedy decoding: deterministic for fixed weights)."""
+    """One `eval_results` row per puzzle (greedy decoding: deterministic for fixed weights), played
+    in `mode`, with the move constrained as `rollout.play`'s `constrain` says."""
     rollouts = play(
         engine,
         tokenizer,
         puzzles,
-        GREEDY,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
         deployment_id=deployment_id,
         round_=round_,
         seed=seed,
+        mode=mode,
+        constrain=constrain,
         progress=progress,
     )
     themes = {p.puzzle_id: p.themes for p in puzzles}

@@ -9,8 +9,10 @@ it and its completion exactly the token ids the structured-output constraint let
 for the solution move. As served, the policy at a position is pi renormalized over what the
 constraint allows there (pi_S, the legal moves), so the loss is -sum_t log pi_S(a_t) over a turn's
 free positions (forced wrapper tokens have log pi_S = 0), averaged over turns: the same log pi_S the
-RL trainer optimizes. Deterministic for a seed (one fixed shuffle, seeded initialisation, CPU
-arithmetic).
+RL trainer optimizes. In the free-text mode nothing is constrained: a turn's completion is the
+template's rendering of the demonstrated answer (reasoning, then the call; chess_env.answer_message)
+and every position is free, with the whole vocabulary as its support. Deterministic for a seed
+(one fixed shuffle, seeded initialisation, CPU arithmetic).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from prodrl_pipeline.chat.render import render_ids
-from prodrl_pipeline.envs.chess_env import ChessEpisode, move_text, tool_call_message
+from prodrl_pipeline.envs.chess_env import ChessEpisode, Mode, answer_message, move_text
 from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.envs.tool_choice import tool_call_ids, tool_choice_constraint
 from prodrl_pipeline.rl.logprobs import Sequences, token_logprobs
@@ -62,25 +64,45 @@ class WarmStartConfig:
 class Turn:
     prompt_ids: list[int]
     completion_ids: list[int]
-    supports: list[list[int]]  # per completion position: the ids the constraint allows there
+    supports: list[list[int] | None]  # per completion position: the ids allowed there (None: all)
 
 
-def solved_turns(tokenizer: PreTrainedTokenizerBase, puzzles: Sequence[Puzzle]) -> list[Turn]:
-    """Every player turn of every puzzle's solution, with the constraint's support per position."""
+def solved_turns(
+    tokenizer: PreTrainedTokenizerBase, puzzles: Sequence[Puzzle], mode: Mode = "structured"
+) -> list[Turn]:
+    """Every player turn of every puzzle's solution in `mode`, with the support per position: the
+    structured-output constraint's, or the whole vocabulary (free_text)."""
     turns = []
     for puzzle in puzzles:
-        episode = ChessEpisode(puzzle)
+        episode = ChessEpisode(puzzle, mode=mode)
         while not episode.done:
             move = move_text(episode.board, chess.Move.from_uci(puzzle.moves[episode.ply]))
-            state = tool_choice_constraint(tokenizer, "move", "move", episode.allowed_moves()).start()
-            completion = tool_call_ids(tokenizer, "move", "move", move)
-            supports = []
-            for tok in completion:
-                supports.append(state.allowed())
-                state.advance(tok)
-            turns.append(Turn(render_ids(tokenizer, episode.messages), list(completion), supports))
-            episode.step(tool_call_message(move))
+            answer = answer_message(episode.allowed_moves(), move, mode)
+            prompt = render_ids(tokenizer, episode.messages)
+            if mode == "free_text":
+                completion = _answer_ids(tokenizer, episode.messages, answer, prompt)
+                supports: list[list[int] | None] = [None] * len(completion)
+            else:
+                state = tool_choice_constraint(tokenizer, "move", "move", episode.allowed_moves()).start()
+                completion = list(tool_call_ids(tokenizer, "move", "move", move))
+                supports = []
+                for tok in completion:
+                    supports.append(state.allowed())
+                    state.advance(tok)
+            turns.append(Turn(prompt, completion, supports))
+            episode.step(answer)
     return turns
+
+
+def _answer_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], answer: dict, prompt: list[int]
+) -> list[int]:
+    """The template's rendering of `answer` after `messages`, up to its end-of-turn token."""
+    full = render_ids(tokenizer, [*messages, answer], add_generation_prompt=False)
+    if full[: len(prompt)] != prompt:
+        raise ValueError("the template's answer turn does not extend its generation prompt")
+    completion = full[len(prompt) :]
+    return completion[: completion.index(tokenizer.eos_token_id) + 1]
 
 
 def _sequences(turns: Sequence[Turn], pad_id: int) -> Sequences:
@@ -94,7 +116,7 @@ def _sequences(turns: Sequence[Turn], pad_id: int) -> Sequences:
         ids[n, : len(seq)] = torch.tensor(seq)
         mask[n, : len(seq)] = 1
         for i, (tok, support) in enumerate(zip(t.completion_ids, t.supports, strict=True)):
-            if len(support) > 1:
+            if support is None or len(support) > 1:
                 rows.append(n)
                 pos.append(len(t.prompt_ids) + i - 1)
                 targets.append(tok)

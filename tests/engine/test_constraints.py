@@ -6,10 +6,29 @@ import numpy as np
 import pytest
 import torch
 
-from prodrl_pipeline.engine.constraints import ChoiceConstraint
+from prodrl_pipeline.engine.constraints import AfterReasoning, ChoiceConstraint
 from tests.engine.conftest import advanced, completions
 
 IDS = (8, 7, 6)
+
+
+def test_after_reasoning_allows_everything_until_the_end_marker_then_the_choice():
+    s = AfterReasoning(ChoiceConstraint([[5, 1], [7]]), end_id=3).start()
+    for token in (5, 7, 0):  # reasoning: any id, ids of the choice included, changes nothing
+        row = torch.zeros(9, dtype=torch.bool)
+        s.allow(row)
+        assert row.all() and s.forced() == [] and not s.finished
+        s.advance(token)
+    s.advance(3)  # the end of the reasoning
+    row = torch.zeros(9, dtype=torch.bool)
+    s.allow(row)
+    assert row.nonzero().squeeze(1).tolist() == [5, 7]
+    s.advance(5)
+    assert s.forced() == [1] and not s.finished
+    s.advance(1)
+    assert s.finished
+    with pytest.raises(ValueError, match="per position"):
+        AfterReasoning(type("Recorded", (), {"recorded": {"grammar": "x"}})(), end_id=3)
 
 
 def test_a_choice_walks_its_sequences_forcing_single_continuations():
