@@ -22,5 +22,5 @@ def test_held_out_rates_are_over_the_puzzles_every_round_was_evaluated_on(tmp_pa
     )
     rows = round_summary(store, "main")
     got = [(r["round"], r["heldout_solve_rate"], r["mate_in_1"], r["heldout_puzzles"]) for r in rows]
-    assert got == [(0, 0.5, 0.5, 2), (1, 1.0, 1.0, 2)]  # p1, p2 only: the base's 0.75 on all four is not shown
+    assert got == [(0, 0.5, 0.5, 2), (1, 1.0, 1.0, 2)]  # p1, p2 only: not the base's 0.75 on all four
     assert rows[1]["train_reward"] == 1.0 and rows[1]["engine_mismatch"] == 0.1
