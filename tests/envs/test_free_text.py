@@ -18,7 +18,7 @@ from prodrl_pipeline.envs.chess_env import (
     parse_move_call,
 )
 from prodrl_pipeline.envs.rollout import play
-from prodrl_pipeline.envs.spellings import move_spelling, traffic_stats
+from prodrl_pipeline.envs.spellings import traffic_stats
 from prodrl_pipeline.model import build_model
 from prodrl_pipeline.records import support
 from prodrl_pipeline.records.validate import split_valid
@@ -200,15 +200,16 @@ def test_a_move_spelled_otherwise_is_counted_non_canonical(free_tok, train_puzzl
     answer = answer_message(episode.allowed_moves(), move, "free_text")
     served = render_ids(free_tok, [*episode.messages, answer], add_generation_prompt=False)[len(prompt) :]
     served = served[: served.index(free_tok.eos_token_id) + 1]
-    assert move_spelling(free_tok, served) == (move, True)
-    canonical = free_tok.encode(move, add_special_tokens=False)
-    at = next(i for i in range(len(served)) if served[i : i + len(canonical)] == canonical)
-    other = next(s for s in _spellings(free_tok, move) if s != canonical)
-    assert move_spelling(free_tok, served[:at] + other + served[at + len(canonical) :]) == (move, False)
-    assert move_spelling(free_tok, served[:at]) is None  # cut off inside the call
     unrestricted = support.columns([support.unrestricted(len(free_tok))] * len(served))
-    stats = traffic_stats(free_tok, [{"completion_token_ids": served, **unrestricted}] * 3)
-    assert stats["parse_rate"] == 1.0 and stats["non_canonical_per_1000"] == 0.0
+    call = lambda ids: {"completion_token_ids": ids, **unrestricted}  # noqa: E731
+    canonical = free_tok.encode(move, add_special_tokens=False)
+    at = max(i for i in range(len(served)) if served[i : i + len(canonical)] == canonical)  # the argument
+    other = next(s for s in _spellings(free_tok, move) if s != canonical)
+    respelled = served[:at] + other + served[at + len(canonical) :]
+    assert free_tok.decode(respelled) == free_tok.decode(served)
+    stats = traffic_stats(free_tok, [call(served)] * 3 + [call(respelled), call(served[:at])])
+    assert stats["parse_rate"] == 4 / 5 and stats["moves"] == 4  # the last one is cut off inside the call
+    assert stats["non_canonical_per_1000"] == 250.0
     assert stats["sampled_tokens_median"] == len(served)
 
 
