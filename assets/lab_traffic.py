@@ -2,7 +2,7 @@
 `base_model` asset (warm start, deployment, held-out evaluation), what its greedy held-out calls
 hold, then round 1's collection (`trajectories`) and training (`advantages`, `checkpoint`) through
 the round graph on a fresh store, each timed, and what the round's recorded calls (temperature 1)
-hold (envs/spellings.py).
+hold (envs/spellings.py), and how its multi-turn trajectories retokenize (rl/retokenize_causes.py).
 
     python -m assets.lab_traffic --mode free_text
 """
@@ -24,6 +24,7 @@ from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.envs.spellings import traffic_stats
 from prodrl_pipeline.records.registry import BASE, lookup
+from prodrl_pipeline.rl.retokenize_causes import round_causes
 from resources.lab import LabResource
 from resources.store import StoreResource
 
@@ -74,7 +75,22 @@ def measure(lab: LabResource) -> dict[str, float]:
             assert done.success, f"round 1's {name} failed"
             out[f"{name}_seconds"] = time.perf_counter() - t0
         calls = store.tables().read("calls", 1).to_pylist()
-        return {**out, **{f"round1_{k}": v for k, v in traffic_stats(lab.tokenizer(), calls).items()}}
+        out |= {f"round1_{k}": v for k, v in traffic_stats(lab.tokenizer(), calls).items()}
+        return out | {f"round1_{k}": v for k, v in retokenized(lab.tokenizer(), calls).items()}
+
+
+def retokenized(tokenizer, calls: list[dict]) -> dict[str, float]:  # noqa: ANN001
+    """Of the multi-turn trajectories among `calls`: how many, and the share whose whole conversation
+    rendered once gives other ids than were served, overall and per cause (rl/retokenize_causes.py)."""
+    _, totals = round_causes(calls, tokenizer)
+    multi = totals.get("multi-turn", 0)
+    share = lambda n: n / multi if multi else float("nan")  # noqa: E731
+    causes = {k.removeprefix("multi-turn: "): v for k, v in totals.items() if k.startswith("multi-turn: ")}
+    return {
+        "multi_turn_trajectories": multi,
+        "multi_turn_retokenized_differ": share(totals.get("multi-turn differ", 0)),
+        **{f"multi_turn_differ_by {c}": share(n) for c, n in sorted(causes.items())},
+    }
 
 
 def main() -> None:

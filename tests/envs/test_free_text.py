@@ -241,3 +241,37 @@ def test_the_warm_started_free_text_base_writes_well_formed_calls(free_tok, trai
         constrain=False,
     )
     assert traffic_stats(free_tok, rollouts.calls)["parse_rate"] >= 0.95
+
+
+def test_a_solved_multi_turn_trajectory_retokenizes_otherwise_for_its_rewritten_history(
+    free_tok, train_puzzles
+):
+    """`python -m assets.lab_traffic`'s retokenization figures on a mate in two played as the
+    engine records it: the template drops turn 1's reasoning when the whole conversation is rendered."""
+    from assets.lab_traffic import retokenized
+
+    puzzle = next(p for p in train_puzzles if "mateIn2" in p.themes)
+    episode, calls = ChessEpisode(puzzle, mode="free_text"), []
+    while not episode.done:
+        move = move_text(episode.board, chess.Move.from_uci(puzzle.moves[episode.ply]))
+        answer = answer_message(episode.allowed_moves(), move, "free_text")
+        prompt = render_ids(free_tok, episode.messages)
+        full = render_ids(free_tok, [*episode.messages, answer], add_generation_prompt=False)[len(prompt) :]
+        completion = full[: full.index(free_tok.eos_token_id) + 1]  # the engine stops at the end token
+        served = parse_assistant_text(free_tok.decode(completion, skip_special_tokens=False))
+        calls.append(
+            {
+                "call_id": f"t-{len(calls)}",
+                "trajectory_id": "t",
+                "call_index": len(calls),
+                "prompt_token_ids": prompt,
+                "completion_token_ids": completion,
+                "messages_json": json.dumps([*episode.messages, served]),
+            }
+        )
+        episode.step(served)
+    assert len(calls) == 2 and episode.reward == 1.0
+    got = retokenized(free_tok, calls)
+    assert got["multi_turn_trajectories"] == 1 and got["multi_turn_retokenized_differ"] == 1.0
+    assert got["multi_turn_differ_by history rewrite"] == 1.0
+    assert "multi_turn_differ_by spelling" not in got  # every id as the tokenizer encodes it
