@@ -9,8 +9,9 @@ from resources.lab import LabResource
 def evaluate_deployment(
     tables: DeltaStore, lab: LabResource, artifacts: Artifacts, deployment: dict, round_: int
 ) -> list[dict]:
-    """Greedy solve of the held-out puzzles by `deployment`; replaces its rows for `round_`."""
-    heldout = list(lab.puzzles("heldout"))[: lab.eval_puzzles or None]
+    """Greedy solve of round `round_`'s held-out puzzles (`LabResource.heldout`) by `deployment`;
+    replaces its rows for `round_`."""
+    heldout = lab.heldout(round_)
     rows = evaluate(
         lab.engine(artifacts.local(deployment["path"]), deployment["quant_format"]),
         lab.tokenizer(),

@@ -116,7 +116,11 @@ class LabResource(ConfigurableResource):
     partial_credit: bool = False
     """Reward the fraction of player moves found instead of 0/1."""
     eval_puzzles: int = 0
-    """Held-out puzzles evaluated per round (0 = all)."""
+    """Held-out puzzles evaluated per round: the first N (0 = all)."""
+    eval_full_every: int = 0
+    """With eval_puzzles: every k-th round (and the base, round 0) evaluates all held-out puzzles
+    (0 = never). Curves use the puzzles every round was evaluated on; a full round's gain over the
+    base is measured on all of them."""
     gate_margin: float = 0.02
     """Deploy gate: a candidate may trail the live deployment's held-out solve rate by this much."""
     gate_confidence: float = 0.95
@@ -231,9 +235,21 @@ class LabResource(ConfigurableResource):
                 "source production starts from the deployment's own model: set base_checkpoint to its "
                 "HF checkpoint directory (weights and tokenizer)"
             )
-        for name in ("eval_puzzles", "trainer_processes", "mismatch_warn", "staleness_warn"):
+        for name in (
+            "eval_puzzles",
+            "eval_full_every",
+            "trainer_processes",
+            "mismatch_warn",
+            "staleness_warn",
+        ):
             if not getattr(self, name) >= 0:  # NaN fails too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def heldout(self, round_: int) -> list[Puzzle]:
+        """The held-out puzzles round `round_`'s deployment is evaluated on (`eval_puzzles`,
+        `eval_full_every`)."""
+        full = self.eval_puzzles == 0 or (self.eval_full_every > 0 and round_ % self.eval_full_every == 0)
+        return list(self.puzzles("heldout"))[: None if full else self.eval_puzzles]
 
     def tiny_model(self) -> TinyQwen3Config:
         return TinyQwen3Config(

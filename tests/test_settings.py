@@ -196,3 +196,16 @@ def test_settings_given_as_run_config_are_checked_before_the_first_step(tmp_path
     ]
     assert any("eval_puzzles must be >= 0, got -3" in s for s in said), said
     assert not (tmp_path / "tables").exists()
+
+
+def test_rounds_evaluate_a_fixed_subset_and_every_kth_round_the_whole_held_out_set():
+    from resources.lab import LabResource
+
+    lab = LabResource(eval_puzzles=4, eval_full_every=3)
+    every = lab.puzzles("heldout")
+    sizes = [len(lab.heldout(k)) for k in range(7)]
+    assert sizes == [len(every), 4, 4, len(every), 4, 4, len(every)]
+    assert [p.puzzle_id for p in lab.heldout(1)] == [
+        p.puzzle_id for p in every[:4]
+    ]  # the same four each time
+    assert len(LabResource(eval_puzzles=4).heldout(3)) == 4 and len(LabResource().heldout(1)) == len(every)
