@@ -36,7 +36,7 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         "source": source,
         "model": asdict(lab.tiny_model()),
         "vocab_size": len(tok),
-        "warm_start": asdict(warm) if warm else None,
+        "warm_start": _warm_start_meta(warm),
         "data": None if lab.base_checkpoint else base_inputs_digest(lab.data_dir, lab.mode),
     }
     artifacts = store.artifacts()
@@ -108,6 +108,17 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
             "live_deployment": tables.live_deployment()["deployment_id"],
         }
     )
+
+
+def _warm_start_meta(cfg: WarmStartConfig | None) -> dict | None:
+    """The warm start's settings as the base's meta records them; a constant schedule is left out,
+    as before it was a setting, so that a store's base built then is still the same base."""
+    if cfg is None:
+        return None
+    meta = asdict(cfg)
+    if meta["schedule"] == "constant":
+        del meta["schedule"]
+    return meta
 
 
 def _warm_start(

@@ -45,13 +45,16 @@ MODE_DEFAULTS: dict[str, dict[str, object]] = {
     "free_text": {
         "constrain_moves": False,
         "max_tokens": 128,
-        "warm_start_steps": 200,
+        "warm_start_steps": 400,
+        "warm_start_batch": 32,
         "warm_start_lr": 3e-3,
+        "warm_start_schedule": "cosine",
     },
 }
 """The settings a mode defaults differently from the structured mode (the field defaults): a
 free-text turn is unconstrained and runs to ~100 tokens with 20 checks to list, and its warm start
-learns ~52 tokens a turn instead of one choice (docs/lab.md)."""
+learns ~52 tokens a turn instead of one choice: twice the updates of half the turns, decayed to 0,
+for the compute of 200 steps of 64 (docs/lab.md's sweep)."""
 
 
 class LabResource(ConfigurableResource):
@@ -97,6 +100,8 @@ class LabResource(ConfigurableResource):
     warm_start_lr: float = 2e-3
     warm_start_batch: int = 64
     """Player turns per warm-start step."""
+    warm_start_schedule: Literal["constant", "cosine"] = "constant"
+    """The warm start's learning rate over its steps: constant, or a cosine decay to 0."""
     quant_format: QuantFormat = "nvfp4"  # "nvfp4_w4a4": serve W4A4 (NVFP4 activations too)
     """How deployments are exported and served: NVFP4 weights with fp32 activations (`nvfp4`, Hopper's
     W4A16), NVFP4 weights and activations (`nvfp4_w4a4`, Blackwell's W4A4, emulated: quant/w4a4.py)
@@ -207,7 +212,7 @@ class LabResource(ConfigurableResource):
             "model": (self.tiny_model, "hidden_size num_layers num_heads num_kv_heads intermediate_size"),
             "warm start": (
                 self.warm_start,
-                "warm_start_steps warm_start_puzzles warm_start_batch warm_start_lr",
+                "warm_start_steps warm_start_puzzles warm_start_batch warm_start_lr warm_start_schedule",
             ),
             "sampling": (self.sampling, "temperature top_p top_k max_tokens"),
             "trainer": (
@@ -267,6 +272,7 @@ class LabResource(ConfigurableResource):
             puzzles=self.warm_start_puzzles,
             batch_size=self.warm_start_batch,
             lr=self.warm_start_lr,
+            schedule=self.warm_start_schedule,
             seed=self.model_seed,
         )
 

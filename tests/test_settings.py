@@ -38,7 +38,10 @@ def test_a_settings_file_selects_the_free_text_mode_and_its_defaults_unless_give
     path.write_text("lab:\n  mode: free_text\n  max_tokens: 96\n")
     lab = resources_from_environment({"PRODRL_SETTINGS": str(path)})["lab"]
     assert (lab.mode, lab.constrain_moves, lab.max_tokens) == ("free_text", False, 96)
-    assert lab.tokenizer_path() == "data/tokenizer_free_text" and lab.warm_start().steps == 200
+    assert lab.tokenizer_path() == "data/tokenizer_free_text"
+    warm = lab.warm_start()
+    assert (warm.steps, warm.batch_size, warm.schedule) == (400, 32, "cosine")
+    assert LabResource().warm_start().schedule == "constant"
     structured = LabResource()
     assert (structured.constrain_moves, structured.max_tokens, structured.tokenizer_path()) == (
         True,

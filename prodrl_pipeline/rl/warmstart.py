@@ -17,10 +17,12 @@ and every position is free, with the whole vocabulary as its support. Determinis
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import chess
 import torch
@@ -44,11 +46,15 @@ class WarmStartConfig:
     batch_size: int = 64
     """Player turns per step."""
     lr: float = 2e-3
-    """Adam learning rate (betas 0.9, 0.99), constant."""
+    """Adam learning rate (betas 0.9, 0.99): the peak, held constant or decayed (`schedule`)."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """The learning rate over the steps: constant, or a cosine decay from `lr` to 0 at the last step."""
     seed: int = 0
     """Seed of the example shuffle."""
 
     def __post_init__(self) -> None:
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"warm start schedule must be constant or cosine, got {self.schedule!r}")
         if self.steps < 0 or self.puzzles < 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(
                 f"warm start needs steps >= 0, puzzles >= 0, batch_size >= 1, lr > 0; got "
@@ -164,7 +170,8 @@ def warm_start(
     pad_id: int,
     progress: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """Train `model` in place; one row per step (loss, mean pi_S of the solution tokens, seconds)."""
+    """Train `model` in place; one row per step (loss, mean pi_S of the solution tokens, learning
+    rate, seconds)."""
     if cfg.steps and not turns:
         raise ValueError("the warm start has no solved turns to learn from")
     order = list(range(len(turns)))
@@ -176,6 +183,9 @@ def warm_start(
         t0 = time.perf_counter()
         start = (step * cfg.batch_size) % len(order)
         batch = [turns[order[(start + i) % len(order)]] for i in range(cfg.batch_size)]
+        if cfg.schedule == "cosine":  # from lr at step 1 to 0 after the last
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         opt.zero_grad(set_to_none=True)
         loss, solution_prob = _step_loss(model, batch, pad_id, microbatch=16)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -184,6 +194,7 @@ def warm_start(
             "step": step + 1,
             "loss": loss,
             "solution_prob": solution_prob,
+            "lr": opt.param_groups[0]["lr"],
             "seconds": time.perf_counter() - t0,
         }
         rows.append(row)

@@ -42,3 +42,14 @@ def test_demonstrations_are_a_prefix_of_the_split_and_bad_settings_are_refused(t
     for bad in ({"puzzles": -1}, {"steps": -1}, {"batch_size": 0}, {"lr": 0.0}):
         with pytest.raises(ValueError, match="warm start needs"):
             WarmStartConfig(**bad)
+    with pytest.raises(ValueError, match="schedule"):
+        WarmStartConfig(schedule="linear")
+
+
+def test_a_cosine_schedule_decays_the_learning_rate_to_zero(tiny_model, tokenizer, train_puzzles):
+    turns = solved_turns(tokenizer, train_puzzles[:4])
+    for schedule in ("constant", "cosine"):
+        cfg = WarmStartConfig(steps=4, batch_size=2, lr=1e-3, schedule=schedule)
+        lrs = [r["lr"] for r in warm_start(copy.deepcopy(tiny_model), turns, cfg, tokenizer.pad_token_id)]
+        expected = [1e-3] * 4 if schedule == "constant" else [1e-3, 0.5e-3 * (1 + 2**-0.5), 0.5e-3, 0.5e-3 * (1 - 2**-0.5)]
+        assert lrs == pytest.approx(expected)
