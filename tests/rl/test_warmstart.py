@@ -51,5 +51,9 @@ def test_a_cosine_schedule_decays_the_learning_rate_to_zero(tiny_model, tokenize
     for schedule in ("constant", "cosine"):
         cfg = WarmStartConfig(steps=4, batch_size=2, lr=1e-3, schedule=schedule)
         lrs = [r["lr"] for r in warm_start(copy.deepcopy(tiny_model), turns, cfg, tokenizer.pad_token_id)]
-        expected = [1e-3] * 4 if schedule == "constant" else [1e-3, 0.5e-3 * (1 + 2**-0.5), 0.5e-3, 0.5e-3 * (1 - 2**-0.5)]
+        expected = (
+            [1e-3] * 4
+            if schedule == "constant"
+            else [1e-3, 0.5e-3 * (1 + 2**-0.5), 0.5e-3, 0.5e-3 * (1 - 2**-0.5)]
+        )
         assert lrs == pytest.approx(expected)
