@@ -7,7 +7,7 @@ from pathlib import Path
 from dagster import Config, MaterializeResult, MetadataValue, asset
 
 from assets import metadata
-from prodrl_pipeline.evals.fidelity_study import figures, recommendation, section
+from prodrl_pipeline.evals.fidelity_report import figures, recommendation, section
 from prodrl_pipeline.evals.study_report import build_report
 
 FINDING_COLUMNS = [

@@ -27,7 +27,8 @@ from prodrl_pipeline.evals.fidelity import (
     summarize,
     support_logprobs,
 )
-from prodrl_pipeline.evals.fidelity_study import ENGINES, ESTIMATORS, SCHEDULES, STALENESS, SUPPORTS
+from prodrl_pipeline.evals.fidelity_report import SCHEDULES
+from prodrl_pipeline.evals.fidelity_study import ENGINES, ESTIMATORS, STALENESS, SUPPORTS
 from prodrl_pipeline.model import TinyQwen3Config, build_model
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from tests.conftest import TINY, rounding_tolerance
@@ -209,7 +210,7 @@ def test_the_fidelity_command(tmp_path: Path) -> None:
 def test_the_recommendation_follows_its_stated_rule_on_known_rows() -> None:
     """Worst cosine within one round of staleness among estimators within the variance budget; a
     tie goes to the lower variance; cells past S and +kl estimators do not count."""
-    from prodrl_pipeline.evals.fidelity_study import recommendation
+    from prodrl_pipeline.evals.fidelity_report import recommendation
 
     def row(name, steps, cos, var, schedule="sync"):  # noqa: ANN001, ANN202
         return {
