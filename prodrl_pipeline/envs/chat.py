@@ -34,8 +34,8 @@ FREE_TEXT_PIECES = Regex(r"\p{N}|\p{L}+|[+=#-]|[^\s\p{L}\p{N}+=#-]+|\s+")
 """The free-text tokenizer's pre-tokens, within which BPE merges: a digit, a run of letters, one of
 `+=#-`, a run of other punctuation, a run of whitespace."""
 
-CHAT_TEMPLATE = (
-    # No whitespace control: every newline below is part of the rendering.
+_SYSTEM_TURNS = (
+    # A tools block of its own unless the first turn is a system turn, which then holds it.
     "{% if tools and messages[0].role != 'system' %}"
     "<|im_start|>system\n# Tools\n<tools>{{ tools | tojson }}</tools><|im_end|>\n"
     "{% endif %}"
@@ -44,7 +44,12 @@ CHAT_TEMPLATE = (
     "<|im_start|>system\n{{ m.content }}"
     "{% if tools %}\n\n# Tools\n<tools>{{ tools | tojson }}</tools>{% endif %}"
     "<|im_end|>\n"
-    "{% elif m.role == 'assistant' %}"
+)
+"""Both templates' opening: the tools, then the turn loop and its system turns."""
+
+CHAT_TEMPLATE = (
+    # No whitespace control: every newline below is part of the rendering.
+    _SYSTEM_TURNS + "{% elif m.role == 'assistant' %}"
     "<|im_start|>assistant\n{{ m.content or '' }}"
     "{% for tc in m.tool_calls or [] %}"
     '<tool_call>{"name": "{{ tc.function.name }}", "arguments": '
@@ -64,16 +69,7 @@ FREE_TEXT_TEMPLATE = (
     # CHAT_TEMPLATE with Qwen3's rules for assistant turns (module docstring).
     "{% set ns = namespace(last_user=-1) %}"
     "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
-    "{% endfor %}"
-    "{% if tools and messages[0].role != 'system' %}"
-    "<|im_start|>system\n# Tools\n<tools>{{ tools | tojson }}</tools><|im_end|>\n"
-    "{% endif %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'system' %}"
-    "<|im_start|>system\n{{ m.content }}"
-    "{% if tools %}\n\n# Tools\n<tools>{{ tools | tojson }}</tools>{% endif %}"
-    "<|im_end|>\n"
-    "{% elif m.role == 'assistant' %}"
+    "{% endfor %}" + _SYSTEM_TURNS + "{% elif m.role == 'assistant' %}"
     "{% set content = m.content or '' %}{% set thought = '' %}"
     "{% if '</think>' in content %}"
     "{% set thought = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
