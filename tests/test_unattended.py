@@ -22,6 +22,7 @@ import pytest
 import yaml
 from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, RunsFilter
 
+from assets.partitions import rounds as round_partitions
 from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
 from prodrl_pipeline.evals.gate import paired_difference
@@ -76,11 +77,17 @@ def _wait_for_rounds(
     deadline: float,
     daemon: subprocess.Popen,
     settled: Callable[[], bool],
+    last_requested: Callable[[], None],
 ) -> None:
     """Until round `rounds` is reported and `settled` (its canary decided), and no run is in
-    flight; fails on a failed run."""
+    flight; fails on a failed run. Calls `last_requested` once round `rounds` is added: the traffic
+    the users send meanwhile would start a round more."""
     target = f"r{rounds:06d}"
+    requested = False
     while True:
+        if not requested and target in instance.get_dynamic_partitions(round_partitions.name):
+            last_requested()
+            requested = True
         failed = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.FAILURE]))
         assert not failed, f"run {failed[0].run_id} ({failed[0].tags.get('dagster/partition')}) failed"
         in_flight = instance.get_runs(
@@ -156,6 +163,10 @@ def run_unattended(
             _decided(tables, rounds) if gated else target in instance.get_materialized_partitions(last_taken)
         )
 
+    def stop_round_sensor() -> None:
+        stopped = subprocess.run([*DAGSTER, "sensor", "stop", "round_sensor", *location], **quiet)
+        assert stopped.returncode == 0, stopped.stderr[-3000:]
+
     puzzles = list(iter_lab_puzzles(REPO / "data", "train"))
     cfg = SimulationConfig(
         users=users,
@@ -173,7 +184,7 @@ def run_unattended(
     )
     simulator.start()
     try:
-        _wait_for_rounds(instance, rounds, t0 + timeout, daemon, settled)
+        _wait_for_rounds(instance, rounds, t0 + timeout, daemon, settled, stop_round_sensor)
         simulator.join(timeout=120)
         assert "report" in result, "the simulator did not finish"
         live = DeltaStore(store_root / "tables").live_deployment()["deployment_id"]
