@@ -1,14 +1,16 @@
 """Engine mismatch per sampled token: a W4A4 deployment against a W4A16 one of the same checkpoint.
 
-The lab's base model (default `LabResource` sizes, warm-started as `base_model` does) is exported to
-NVFP4 as the `deployment` asset does (activation scales calibrated on the first 16 calls of recorded
-traffic), served W4A16 (`nvfp4`) and W4A4 (`nvfp4_w4a4`), and plays the same train puzzles with the
-lab's sampling. Per recorded position, the engine mismatch |log pi_k(a) - log mu(a)| against the
-trainer's fp32 forward of the checkpoint (pi over the recorded support, as the trainer computes it),
-over the sampled positions (kept support > 1 token; the trainer's `engine_mismatch` counts exactly
-these) and over every completion position (forced tokens add 0). The base export's own calibration
-(a fixed random batch: `base_model` passes no traffic) is reported too.
-Run: `.venv/bin/python -m bench.w4a4_mismatch` (~3 min on 2 idle cores).
+The lab's base model (`LabResource` defaults for `--mode`, warm-started as `base_model` does) is
+exported to NVFP4 as the `deployment` asset does (activation scales calibrated on the first 16
+calls of recorded traffic), served W4A16 (`nvfp4`) and W4A4 (`nvfp4_w4a4`), and plays the same
+train puzzles with the lab's sampling. Per recorded position, the engine mismatch
+|log pi_k(a) - log mu(a)| against the trainer's fp32 forward of the checkpoint (pi over the
+recorded support, as the trainer computes it), over the sampled positions (kept support > 1 token;
+the trainer's `engine_mismatch` counts exactly these) and over every completion position (forced
+tokens add 0). The base export's own calibration (a fixed random batch: `base_model` passes no
+traffic) is reported too.
+Run: `.venv/bin/python -m bench.w4a4_mismatch` (~3 min on 2 idle cores; `--mode free_text` for the
+free-text lab's traffic, whose turns sample ~50 tokens each).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def arguments() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--puzzles", type=int, default=256, help="train puzzles played per deployment")
-    parser.add_argument("--warm-start-steps", type=int, default=40)
+    parser.add_argument("--mode", choices=["structured", "free_text"], default="structured")
+    parser.add_argument("--warm-start-steps", type=int, help="default: the mode's (LabResource)")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -48,7 +51,7 @@ def mismatch(model: torch.nn.Module, rows: list[dict], lab: LabResource) -> dict
     calls = RecordedCalls.from_rows(rows)
     pi_k = policy_logprobs(model, calls, lab.trainer(), lab.pad_id(), fake_quant=False)
     diff = torch.cat([pi_k[c] for c in calls.call_id]).double() - torch.from_numpy(calls.completion_logprobs)
-    sampled = torch.from_numpy(calls.support_size > 1)
+    sampled = torch.from_numpy(calls.support.size > 1)
     return {
         "calls": len(calls),
         "positions": len(diff),
@@ -60,10 +63,11 @@ def mismatch(model: torch.nn.Module, rows: list[dict], lab: LabResource) -> dict
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    lab = LabResource(warm_start_steps=args.warm_start_steps, seed=args.seed)
+    steps = {} if args.warm_start_steps is None else {"warm_start_steps": args.warm_start_steps}
+    lab = LabResource(mode=args.mode, seed=args.seed, **steps)
     tok = lab.tokenizer()
     model = build_model(lab.tiny_model(), len(tok), tok.pad_token_id)
-    turns = solved_turns(tok, lab.warm_start().demonstrations(lab.puzzles("warmup")))
+    turns = solved_turns(tok, lab.warm_start().demonstrations(lab.puzzles("warmup")), lab.mode)
     t0 = time.perf_counter()
     warm_start(model, turns, lab.warm_start(), tok.pad_token_id)
     print(f"warm start: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -75,7 +79,15 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         )
         t0 = time.perf_counter()
         calls = play(
-            engine, tok, puzzles, lab.sampling(), deployment_id=quant_format, round_=1, seed=args.seed
+            engine,
+            tok,
+            puzzles,
+            lab.sampling(),
+            deployment_id=quant_format,
+            round_=1,
+            seed=args.seed,
+            mode=lab.mode,
+            constrain=lab.constrain_moves,
         ).calls
         print(
             f"{path.name} {quant_format}: {len(calls)} calls in {time.perf_counter() - t0:.1f} s", flush=True
