@@ -80,15 +80,22 @@ def measure(lab: LabResource) -> dict[str, float]:
 
 
 def retokenized(tokenizer, calls: list[dict]) -> dict[str, float]:  # noqa: ANN001
-    """Of the multi-turn trajectories among `calls`: how many, and the share whose whole conversation
-    rendered once gives other ids than were served, overall and per cause (rl/retokenize_causes.py)."""
+    """Of the multi-turn trajectories among `calls`: how many, how many the template cannot render,
+    and of the rendered ones the share whose whole conversation rendered once gives other ids than
+    were served: at all, other than in whitespace (every rendering adds a newline after its final
+    end-of-turn token), and per cause (rl/retokenize_causes.py)."""
     _, totals = round_causes(calls, tokenizer)
-    multi = totals.get("multi-turn", 0)
-    share = lambda n: n / multi if multi else float("nan")  # noqa: E731
+    multi, unrendered = totals.get("multi-turn", 0), totals.get("multi-turn not rendered", 0)
+    rendered = multi - unrendered
+    share = lambda n: n / rendered if rendered else float("nan")  # noqa: E731
     causes = {k.removeprefix("multi-turn: "): v for k, v in totals.items() if k.startswith("multi-turn: ")}
     return {
         "multi_turn_trajectories": multi,
+        "multi_turn_not_rendered": unrendered,
         "multi_turn_retokenized_differ": share(totals.get("multi-turn differ", 0)),
+        "multi_turn_differ_not_only_in_whitespace": share(
+            totals.get("multi-turn differ not only in whitespace", 0)
+        ),
         **{f"multi_turn_differ_by {c}": share(n) for c, n in sorted(causes.items())},
     }
 

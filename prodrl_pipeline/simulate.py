@@ -141,7 +141,8 @@ async def simulate(
                 {
                     **message.model_dump(include={"role", "tool_calls"}, exclude_none=True),
                     "content": message.content or "",
-                }
+                },
+                cut_off=reply.choices[0].finish_reason == "length",
             )
             if message.tool_calls and episode.messages[-1]["role"] == "tool":  # answer the call made
                 episode.messages[-1]["tool_call_id"] = message.tool_calls[0].id

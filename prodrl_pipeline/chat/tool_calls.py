@@ -153,7 +153,7 @@ def _json_call(raw: str, fmt: ToolCallFormat) -> tuple[str, str] | None:
     body = raw.strip().removesuffix(closing).strip() if closing else raw.strip()
     try:
         obj = json.loads(body)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: brackets nested past the limit
         return None
     if isinstance(obj, dict) and isinstance(obj.get("name"), str):
         return obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False)

@@ -19,12 +19,12 @@ calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; an assistan
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from prodrl_pipeline.chat.tool_calls import tool_call_format
 from prodrl_pipeline.envs.chess_env import THINK_CLOSE, THINK_OPEN
 
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -145,28 +145,11 @@ def tool_call_prefix(tool_name: str) -> str:
     return f'{TOOL_CALL_OPEN}{{"name": "{tool_name}", "arguments": '
 
 
-def parse_assistant_text(text: str, call_id_prefix: str = "call") -> dict:
-    """An OpenAI-style assistant message from completion text: content plus any tool calls
-    (ids `<call_id_prefix>_<i>`). A tool call whose JSON does not parse keeps its raw text as arguments."""
-    text = text.removesuffix(IM_END)
-    content, calls = text, []
-    while TOOL_CALL_OPEN in content and TOOL_CALL_CLOSE in content:
-        head, _, rest = content.partition(TOOL_CALL_OPEN)
-        body, _, tail = rest.partition(TOOL_CALL_CLOSE)
-        content = head + tail
-        try:
-            obj = json.loads(body)
-            name, args = obj["name"], json.dumps(obj.get("arguments", {}))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            name, args = "", body
-        calls.append(
-            {
-                "id": f"{call_id_prefix}_{len(calls)}",
-                "type": "function",
-                "function": {"name": name, "arguments": args},
-            }
-        )
-    message: dict = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = calls
-    return message
+def parse_assistant_text(tokenizer: PreTrainedTokenizerBase, text: str, call_id_prefix: str = "call") -> dict:
+    """An OpenAI-style assistant message from a completion's text, as the gateway parses a reply:
+    the tokenizer template's own call format (`chat.tool_calls`; ids `<call_id_prefix>_<i>`). A
+    call whose JSON does not parse keeps its raw text as arguments, with an empty name."""
+    fmt = tool_call_format(tokenizer)
+    if fmt is None:
+        raise ValueError("the tokenizer's chat template renders no tool calls")
+    return fmt.parse(text.removesuffix(tokenizer.eos_token), call_id_prefix)

@@ -227,13 +227,14 @@ class ChessEpisode:
         """The strings the structured-output constraint allows as the `move` argument."""
         return list(self._legal)
 
-    def step(self, assistant_message: dict) -> None:
-        """Apply the model's answer and the opponent's reply; appends to `messages`."""
+    def step(self, assistant_message: dict, cut_off: bool = False) -> None:
+        """Apply the model's answer and the opponent's reply; appends to `messages`. An answer
+        `cut_off` (by max_tokens) is malformed, whatever call it holds."""
         if self.done:
             raise RuntimeError("step() on a finished episode")
         self.messages.append(assistant_message)
         text = parse_move_call(assistant_message)
-        move = self._legal.get(text) if text is not None else None
+        move = self._legal.get(text) if text is not None and not cut_off else None
         if move is None:
             return self._finish("Illegal or malformed move.", solved=False)
         expected = chess.Move.from_uci(self.puzzle.moves[self.ply])

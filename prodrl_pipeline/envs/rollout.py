@@ -89,7 +89,7 @@ def play(
             for i, req, out in zip(active, requests, outs, strict=True):
                 text = tokenizer.decode(out.token_ids, skip_special_tokens=False)
                 answered = len(episodes[i].messages) + 1  # the conversation up to this call's answer
-                episodes[i].step(parse_assistant_text(text))
+                episodes[i].step(parse_assistant_text(tokenizer, text), cut_off=out.finish_reason != "stop")
                 calls.append(
                     {
                         "call_id": f"{ids[i]}-{n_calls[i]}",

@@ -28,7 +28,7 @@ def traffic_stats(tokenizer: PreTrainedTokenizerBase, calls: Iterable[dict]) -> 
         n += 1
         sampled.append(sum(s.size > 1 for s in support.of_call(call)))
         text = tokenizer.decode(list(call["completion_token_ids"]), skip_special_tokens=False)
-        if parse_move_call(parse_assistant_text(text)) is not None:
+        if parse_move_call(parse_assistant_text(tokenizer, text)) is not None:
             moves += 1
             non_canonical += spellings(call, tokenizer)["arguments"] > 0
     return {

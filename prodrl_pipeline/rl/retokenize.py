@@ -42,7 +42,7 @@ from collections.abc import Iterable
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.artifacts import storage_options_from_environment
-from prodrl_pipeline.chat.render import is_harmony, load_tokenizer, render_ids
+from prodrl_pipeline.chat.render import TemplateError, is_harmony, load_tokenizer, render_ids
 from prodrl_pipeline.records import support
 from prodrl_pipeline.records.store import DeltaStore, StorageError
 from prodrl_pipeline.rl.retokenize_causes import (
@@ -57,8 +57,14 @@ NAN = math.nan
 
 
 def _rendered(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[int]]:
-    prompt = render_ids(tokenizer, messages[:-1])
-    return prompt, render_ids(tokenizer, messages, add_generation_prompt=False)[len(prompt) :]
+    """The prompt and completion ids of `messages` rendered; TemplateError if the template refuses."""
+    try:
+        prompt = render_ids(tokenizer, messages[:-1])
+        return prompt, render_ids(tokenizer, messages, add_generation_prompt=False)[len(prompt) :]
+    except TemplateError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the template's own error (jinja2's raise_exception)
+        raise TemplateError(f"the chat template cannot render the conversation: {e}") from e
 
 
 def retokenize_call(call: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
@@ -93,11 +99,20 @@ def retokenize_call(call: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
 def retokenize_calls(calls: Iterable[dict], tokenizer: PreTrainedTokenizerBase) -> tuple[list[dict], dict]:
     """Every call retokenized, and where the new ids differ from the recorded ones: counts of calls
     and completion positions, differing prompts and completions, and each differing stretch of a
-    completion (a token diff, `stretch: <cause>`; the completion is the call's assistant turn)."""
+    completion (a token diff, `stretch: <cause>`; the completion is the call's assistant turn). A
+    call the template refuses to render (a malformed tool call whose arguments are not JSON, under
+    a template that renders arguments as objects) is kept as recorded and counted `not rendered`:
+    a pipeline that rebuilds conversations would have to drop it."""
     out: Counter = Counter()
     rebuilt = []
     for call in calls:
-        new = retokenize_call(call, tokenizer)
+        try:
+            new = retokenize_call(call, tokenizer)
+        except TemplateError:
+            out["calls"] += 1
+            out["not rendered"] += 1
+            rebuilt.append(call)
+            continue
         rebuilt.append(new)
         old_c, new_c = call["completion_token_ids"], new["completion_token_ids"]
         out["calls"] += 1
@@ -120,13 +135,15 @@ def _report(round_: int, n_calls: int, rows: list[dict], totals: dict, spelled: 
     """The command's printout of `round_causes` and `round_spellings` (`each`: every differing or
     unrendered trajectory too)."""
     t, s = Counter(totals), Counter(spelled)
-    multi = t["multi-turn"]
+    multi = t["multi-turn"] - t["multi-turn not rendered"]  # shares are of the rendered ones
+    rendered = t["trajectories"] - t["not rendered"]
     completions, calls = s["noncanonical completions"], s["noncanonical tool calls"]
     lines = [
-        f"round {round_}: {n_calls} calls in {t['trajectories']} trajectories ({multi} multi-turn), "
-        f"{t['not rendered']} not rendered",
-        f"retokenized whole, the ids differ in {t['differ']} of {t['trajectories']} trajectories, "
-        f"{t['multi-turn differ']} of {multi} multi-turn ({_share(t['multi-turn differ'], multi)}%)",
+        f"round {round_}: {n_calls} calls in {t['trajectories']} trajectories "
+        f"({t['multi-turn']} multi-turn), {t['not rendered']} not rendered",
+        f"retokenized whole, the ids differ in {t['differ']} of {rendered} rendered trajectories, "
+        f"{t['multi-turn differ']} of {multi} rendered multi-turn ({_share(t['multi-turn differ'], multi)}%; "
+        f"other than in whitespace {_share(t['multi-turn differ not only in whitespace'], multi)}%)",
         f"{'cause':<16} {'multi-turn':>10} {'share %':>8} {'stretches':>10}",
         *(
             f"{c:<16} {t[f'multi-turn: {c}']:>10} {_share(t[f'multi-turn: {c}'], multi):>8} "

@@ -4,8 +4,9 @@ A pipeline that does not keep the served ids renders a trajectory's whole conver
 the chat template (its last call's `messages_json`, which ends with the final answer) and tokenizes
 it. `trajectory_causes` diffs that rendering (difflib, by token) against what was served, as one
 stream: the first call's prompt, each call's completion, and of each later call's prompt what
-follows the previous call's prompt + completion (when it extends them) or the last stretch it
-shares with them (when the client's history rendered otherwise). `cause` names each differing
+follows the previous call's prompt + completion (when it extends them), the re-rendered previous
+completion (when that completion ended with its end-of-turn token), or the last stretch it shares
+with them (when the client's history rendered otherwise). `cause` names each differing
 stretch's cause, the first that holds:
 
 - `spelling`: both sides decode to the same text, neither holds a control token: the engine
@@ -108,29 +109,38 @@ def stretch_causes(
     return out
 
 
-def _resumes_at(previous: list[int], prompt: list[int]) -> int:
+def _resumes_at(previous: list[int], prompt: list[int], ended: bool) -> int:
     """Where `prompt` goes on from the previous call's prompt + completion: their end when it extends
-    them, else the end of the last stretch the two share."""
+    them; after the re-rendered completion when that completion `ended` with its end-of-turn token
+    (the template ends each re-rendered turn with one: after as many of them, past what the two
+    share, as the previous stream holds there); else the end of the last stretch the two share."""
     head = _common_prefix(previous, prompt)
     if head == len(previous):
         return head
+    if ended:
+        end, turns = previous[-1], previous[head:].count(previous[-1])
+        ends = [t for t in range(head, len(prompt)) if prompt[t] == end]
+        if len(ends) >= turns:
+            return ends[turns - 1] + 1
     blocks = SequenceMatcher(None, previous[head:], prompt[head:], autojunk=False).get_matching_blocks()
     last = blocks[-2] if len(blocks) > 1 else None  # the list ends with a dummy of size 0
     return head + (last.b + last.size if last else 0)
 
 
-def served_stream(calls: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
+def served_stream(calls: list[dict], control: frozenset[int]) -> tuple[list[int], list[tuple[int, int]]]:
     """A trajectory's calls (in call order) as one served stream (module docstring), and the spans
-    of its completions."""
+    of its completions; `control`: the control-token ids (a completion ends its turn with one)."""
     stream: list[int] = []
     turns = []
     previous: list[int] | None = None
+    ended = False
     for call in calls:
         prompt, completion = list(call["prompt_token_ids"]), list(call["completion_token_ids"])
-        stream += prompt[_resumes_at(previous, prompt) if previous is not None else 0 :]
+        stream += prompt[_resumes_at(previous, prompt, ended) if previous is not None else 0 :]
         turns.append((len(stream), len(stream) + len(completion)))
         stream += completion
         previous = prompt + completion
+        ended = call.get("finish_reason") == "stop" and bool(completion) and completion[-1] in control
     return stream, turns
 
 
@@ -144,15 +154,17 @@ def trajectory_causes(calls: Iterable[dict], tokenizer: PreTrainedTokenizerBase)
         rendered = render_ids(tokenizer, messages, add_generation_prompt=False)
     except Exception as e:  # noqa: BLE001 - render_ids' TemplateError, or the template's own (jinja2's)
         raise ValueError(f"call {calls[-1]['call_id']}: the chat template cannot render it: {e}") from e
-    served, turns = served_stream(calls)
+    served, turns = served_stream(calls, _control_ids(tokenizer))
     return stretch_causes(tokenizer, served, rendered, turns)
 
 
 def round_causes(calls: Iterable[dict], tokenizer: PreTrainedTokenizerBase) -> tuple[list[dict], dict]:
     """Every trajectory of `calls` retokenized whole: per trajectory its id, calls and stretches by
     cause (or the `error` that kept it from being rendered); and the totals: trajectories, multi-turn
-    ones, `not rendered`, `differ` and `multi-turn differ` (trajectories), `multi-turn: <cause>`
-    (multi-turn trajectories with a stretch of that cause) and `stretches: <cause>`."""
+    ones, `not rendered` and `multi-turn not rendered`, `differ` and `multi-turn differ`
+    (trajectories), `multi-turn differ not only in whitespace` (every rendering differs at least by
+    the newline after its final end-of-turn token), `multi-turn: <cause>` (multi-turn trajectories
+    with a stretch of that cause) and `stretches: <cause>`."""
     by_trajectory: dict[str, list[dict]] = defaultdict(list)
     for call in calls:
         by_trajectory[call["trajectory_id"]].append(call)
@@ -166,10 +178,12 @@ def round_causes(calls: Iterable[dict], tokenizer: PreTrainedTokenizerBase) -> t
         except ValueError as e:
             rows.append({"trajectory_id": tid, "calls": len(group), "error": str(e)})
             totals["not rendered"] += 1
+            totals["multi-turn not rendered"] += multi
             continue
         rows.append({"trajectory_id": tid, "calls": len(group), "causes": dict(causes)})
         totals["differ"] += bool(causes)
         totals["multi-turn differ"] += multi and bool(causes)
+        totals["multi-turn differ not only in whitespace"] += multi and bool(set(causes) - {"whitespace"})
         for c, n in causes.items():
             totals[f"multi-turn: {c}"] += multi
             totals[f"stretches: {c}"] += n
@@ -198,9 +212,14 @@ def spellings(call: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
     at = 0
     for n, tool_call in enumerate(calls):
         arguments = tool_call["function"]["arguments"]
-        if (start := text.find(arguments, at)) < 0:
-            continue  # a call the parser re-serialized: its text is checked as text
-        at = start + len(arguments)
+        if (start := text.find(arguments, at)) >= 0:
+            end = start + len(arguments)
+        else:  # a call the parser re-serialized (other spacing): the call's whole text is its stretch
+            if (start := text.find(fmt.call_start, at)) < 0:
+                continue
+            close = fmt.after_arguments.strip()
+            end = text.find(close, start) + len(close) if close and close in text[start:] else len(text)
+        at = end
         for t in _covering(tokenizer, ids, start, at):
             if kind[t] != "control":
                 kind[t] = f"arguments {n}"

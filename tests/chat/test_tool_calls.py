@@ -42,6 +42,12 @@ def test_a_call_that_does_not_match_the_format_keeps_its_text_with_no_name():
     }
 
 
+def test_a_call_nested_past_the_recursion_limit_keeps_its_text():
+    fmt = tool_call_format(family_tokenizer("qwen3"))
+    deep = "<tool_call>\n" + "[" * 100_000 + "\n</tool_call>"
+    assert fmt.parse(deep)["tool_calls"][0]["function"] == {"name": "", "arguments": deep}
+
+
 def test_a_llama3_call_is_bare_json_whose_nested_braces_stay_inside_it():
     """Llama 3.2's format has no marker: `{"name": ..., "parameters": {...}}`. A call ends at the
     closing brace after which it is whole JSON; text that does not match stays content."""

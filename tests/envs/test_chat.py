@@ -70,9 +70,9 @@ def test_constraint_choices_are_the_templates_tool_calls(tokenizer, heldout):
         for m in allowed
     }
     assert decoded == rendered and len(seen) == len(allowed)
-    assert {parse_assistant_text(t)["tool_calls"][0]["function"]["arguments"] for t in decoded} == {
-        tool_call_message(m)["tool_calls"][0]["function"]["arguments"] for m in allowed
-    }
+    assert {
+        parse_assistant_text(tokenizer, t)["tool_calls"][0]["function"]["arguments"] for t in decoded
+    } == {tool_call_message(m)["tool_calls"][0]["function"]["arguments"] for m in allowed}
 
 
 def test_tools_are_rendered_in_the_system_turn(tokenizer):
@@ -82,8 +82,8 @@ def test_tools_are_rendered_in_the_system_turn(tokenizer):
     assert text.startswith("<|im_start|>system\n# Tools\n<tools>") and '"name": "move"' in text
 
 
-def test_malformed_tool_call_is_kept_raw():
-    msg = parse_assistant_text('<tool_call>{"name": "move", "argu</tool_call><|im_end|>')
+def test_malformed_tool_call_is_kept_raw(tokenizer):
+    msg = parse_assistant_text(tokenizer, '<tool_call>{"name": "move", "argu</tool_call><|im_end|>')
     assert msg["tool_calls"][0]["function"]["name"] == ""
 
 

@@ -77,7 +77,7 @@ def test_a_non_canonical_spelling_plays_the_same_move(free_tok, train_puzzles):
         assert len(canonical) >= 2 and others, move
         for spelling in others[:4]:
             ids = served[:at] + spelling + served[at + len(canonical) :]
-            message = parse_assistant_text(free_tok.decode(ids, skip_special_tokens=False))
+            message = parse_assistant_text(free_tok, free_tok.decode(ids, skip_special_tokens=False))
             assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"move": move}
             replay = ChessEpisode(puzzle, mode="free_text")
             replay.step(message)
@@ -117,18 +117,28 @@ def test_history_drops_earlier_reasoning_and_rerenders_calls_from_their_json(fre
 
 
 @pytest.mark.parametrize(
-    "text",
+    ("text", "cut_off"),
     [
-        "<think>Checks: none</think><|im_end|>",  # no call
-        '<think>x</think><tool_call>{"name": "move", "arguments": {"move": "Nf3"</tool_call><|im_end|>',
-        '<tool_call>{"name": "move", "arguments": {"move": "Ke9"}}</tool_call><|im_end|>',  # illegal
-        '<tool_call>{"name": "move", "arguments": {"move": "Kh1"}}',  # cut off by max_tokens
-        '<tool_call>{"name": "play", "arguments": {"move": "Kh1"}}</tool_call><|im_end|>',
+        ("<think>Checks: none</think><|im_end|>", False),  # no call
+        (
+            '<think>x</think><tool_call>{"name": "move", "arguments": {"move": "Nf3"</tool_call><|im_end|>',
+            False,
+        ),
+        ('<tool_call>{"name": "move", "arguments": {"move": "Ke9"}}</tool_call><|im_end|>', False),  # illegal
+        ('<tool_call>{"name": "play", "arguments": {"move": "LEGAL"}}</tool_call><|im_end|>', False),
+        ('<tool_call>{"name": "move", "arguments": {"move": "LEGAL"', True),  # cut off by max_tokens
+        # cut off after a whole call: the call may not be the whole answer
+        ('<tool_call>{"name": "move", "arguments": {"move": "LEGAL"}}</tool_call>', True),
+        ('<tool_call>{"name": "move", "arguments": {"move": "LEGAL"}}</tool_call><tool_call>{"na', True),
+        ('<tool_call>{"name": "move", "arguments": {"move": "LEGAL"}}</tool_call>Checks: LEGAL LEGAL', True),
     ],
 )
-def test_a_malformed_or_illegal_call_ends_the_episode_with_zero(train_puzzles, text):
+def test_a_malformed_illegal_or_cut_off_call_ends_the_episode_with_zero(
+    free_tok, train_puzzles, text, cut_off
+):
     episode = ChessEpisode(train_puzzles[0], mode="free_text")
-    episode.step(parse_assistant_text(text))
+    text = text.replace("LEGAL", episode.allowed_moves()[0])  # a legal move, whatever the position
+    episode.step(parse_assistant_text(free_tok, text), cut_off=cut_off)
     assert (
         episode.done and episode.reward == 0.0 and "Illegal or malformed" in episode.messages[-1]["content"]
     )
@@ -178,7 +188,7 @@ def test_tool_choice_constrains_the_call_once_the_reasoning_has_ended(free_tok, 
     legal = {p.puzzle_id: set(ChessEpisode(p).allowed_moves()) for p in puzzles}
     firsts = [c for c in rollouts.calls if c["call_index"] == 0]
     for call, puzzle in zip(firsts, puzzles, strict=True):
-        move = parse_move_call(parse_assistant_text(free_tok.decode(call["completion_token_ids"])))
+        move = parse_move_call(parse_assistant_text(free_tok, free_tok.decode(call["completion_token_ids"])))
         assert move in legal[puzzle.puzzle_id]
 
 
@@ -258,7 +268,7 @@ def test_a_solved_multi_turn_trajectory_retokenizes_otherwise_for_its_rewritten_
         prompt = render_ids(free_tok, episode.messages)
         full = render_ids(free_tok, [*episode.messages, answer], add_generation_prompt=False)[len(prompt) :]
         completion = full[: full.index(free_tok.eos_token_id) + 1]  # the engine stops at the end token
-        served = parse_assistant_text(free_tok.decode(completion, skip_special_tokens=False))
+        served = parse_assistant_text(free_tok, free_tok.decode(completion, skip_special_tokens=False))
         calls.append(
             {
                 "call_id": f"t-{len(calls)}",

@@ -1,10 +1,12 @@
 """The naive retokenizing pipeline: what it rebuilds from a recorded call, and where it differs."""
 
 import copy
+import json
 import math
 
 import pytest
 
+from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.records import support
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.recorded import RecordedCalls
@@ -96,6 +98,22 @@ def test_a_text_completion_call_cannot_be_rebuilt(recorded, tokenizer):
     call = {**recorded.calls[0], "messages_json": '{"prompt": "1. e4"}'}
     with pytest.raises(ValueError, match="not a chat call"):
         retokenize_calls([call], tokenizer)
+
+
+def test_a_malformed_call_the_template_cannot_render_is_kept_as_served_and_counted(recorded, tokenizer):
+    """Arguments that are not JSON under a template that renders them as an object (`tojson`, the
+    free-text lab's as Qwen3's): the round still trains, on that call as it was served."""
+    free_text = load_tokenizer("data/tokenizer_free_text")
+    cut = {"id": "call_0", "type": "function", "function": {"name": "", "arguments": '{"move": "Qh5+"'}}
+    messages = [
+        {"role": "user", "content": "Mate in one."},
+        {"role": "assistant", "content": "", "tool_calls": [cut]},
+    ]
+    call = {**recorded.calls[0], "messages_json": json.dumps(messages)}
+    rebuilt, report = retokenize_calls([recorded.calls[1], call], free_text)
+    assert rebuilt[1] is call and rebuilt[0]["prompt_token_ids"] != recorded.calls[1]["prompt_token_ids"]
+    assert report["calls"] == 2 and report["not rendered"] == 1
+    assert retokenize_calls([recorded.calls[1]], free_text)[1].get("not rendered") is None
 
 
 def test_a_call_without_the_assistants_answer_last_cannot_be_rebuilt(recorded, tokenizer):

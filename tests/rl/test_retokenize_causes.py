@@ -47,6 +47,7 @@ def served(tokenizer, messages: list[dict], trajectory: str = "t") -> list[dict]
                 "round": 1,
                 "prompt_token_ids": prompt,
                 "completion_token_ids": turn[: turn.index(tokenizer.eos_token_id) + 1],
+                "finish_reason": "stop",
                 "messages_json": json.dumps(messages[: i + 1]),
             }
         )
@@ -115,6 +116,23 @@ def test_arguments_served_compact_and_rendered_from_their_parse_a_history_rewrit
     assert trajectory_causes(calls, tokenizer) == ["history rewrite", "whitespace"]
 
 
+def test_a_rewritten_turn_is_matched_where_it_ends_not_where_its_text_recurs(qwen3):
+    """The call after a rewritten turn resumes after that turn's end-of-turn token, even when the
+    next message repeats the dropped reasoning at length (as a position's legal moves repeat the
+    checks a reasoning listed)."""
+    checks = "Qh5+ Bb5+ Qe2+ Qd1+ Bd3+ Nf6+"
+    messages = [
+        {"role": "user", "content": "Which move mates?"},
+        {"role": "assistant", "content": f"<think>\nChecks: {checks}\n</think>\n\nQh5."},
+        {"role": "user", "content": f"After g6, legal moves: Kf1 {checks} Ke2"},
+        {"role": "assistant", "content": "<think>\nAgain.\n</think>\n\nQg4."},
+    ]
+    calls = served(qwen3, messages)
+    assert trajectory_causes(calls, qwen3) == ["history rewrite", "whitespace"]  # the dropped reasoning
+    calls[0]["finish_reason"] = "length"  # a turn cut off has no end to match: the shared text decides
+    assert len(trajectory_causes(calls, qwen3)) > 2  # matched inside the next message: stretches around it
+
+
 def test_a_user_turn_the_client_changed_between_calls_is_other(tokenizer):
     calls = two_moves(tokenizer)
     resent(tokenizer, calls[1], 1, {"role": "user", "content": "White to move."})  # moves list cut
@@ -168,6 +186,16 @@ def test_content_sampled_in_pieces_is_a_noncanonical_text_stretch(qwen3):
     assert trajectory_causes(calls, qwen3) == ["spelling", "whitespace"]
 
 
+def test_a_call_written_with_other_spacing_is_checked_whole_for_its_spelling(tokenizer):
+    """The parser re-serializes a compact call's arguments (`{"san": "Qh5"}`), text the completion
+    does not hold: the call's whole text is then the stretch checked."""
+    text = '<tool_call>{"name":"move","arguments":{"san":"Qh5"}}</tool_call><|im_end|>'
+    call = {"completion_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    assert spellings(call, tokenizer) == {"tool_calls": 1, "arguments": 0, "text": 0}
+    in_pieces(tokenizer, call, "Qh5")
+    assert spellings(call, tokenizer) == {"tool_calls": 1, "arguments": 1, "text": 0}
+
+
 def round_of_five(tokenizer) -> list[dict]:
     """Five trajectories: arguments rewritten (2 calls), a move in pieces (2), one call, identical
     (2), and a text completion that has no conversation (1)."""
@@ -196,7 +224,9 @@ def test_a_rounds_trajectories_by_cause(tokenizer):
         "multi-turn": 3,
         "not rendered": 1,
         "differ": 3,
+        "multi-turn not rendered": 0,
         "multi-turn differ": 2,
+        "multi-turn differ not only in whitespace": 2,
         "multi-turn: history rewrite": 1,
         "multi-turn: whitespace": 2,
         "multi-turn: spelling": 1,
@@ -224,7 +254,7 @@ def test_a_conversation_the_template_refuses_is_counted_not_rendered_saying_why(
         "messages_json": json.dumps(messages),
     }
     rows, totals = round_causes([call], gemma)
-    assert totals == {"trajectories": 1, "multi-turn": 0, "not rendered": 1}
+    assert totals == {"trajectories": 1, "multi-turn": 0, "not rendered": 1, "multi-turn not rendered": 0}
     assert rows == [
         {
             "trajectory_id": "t",
@@ -258,7 +288,8 @@ def test_the_command_reports_a_rounds_calls(tmp_path, tokenizer):
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "round 1: 8 calls in 5 trajectories (3 multi-turn), 1 not rendered",
-        "retokenized whole, the ids differ in 3 of 5 trajectories, 2 of 3 multi-turn (66.7%)",
+        "retokenized whole, the ids differ in 3 of 4 rendered trajectories, 2 of 3 rendered multi-turn "
+        "(66.7%; other than in whitespace 66.7%)",
         "cause            multi-turn  share %  stretches",
         "history rewrite           1     33.3          1",
         "spelling                  1     33.3          1",
