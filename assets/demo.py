@@ -27,6 +27,7 @@ from prodrl_pipeline.records.queries import round_summary
 from resources.settings import resources_from_environment
 
 WORKSPACE = "workspace.yaml"
+GAIN = "gain (95% CI)"
 
 
 def main() -> int:
@@ -70,7 +71,11 @@ def main() -> int:
     store, experiment = resources["store"], resources["lab"].experiment
     summary = round_summary(store.tables(), experiment)
     print(f"\nprodrl demo: {args.rounds} rounds in {time.perf_counter() - t0:.1f} s\n")
-    print(markdown_table(summary, SUMMARY_COLUMNS))
+    summary[0][GAIN] = None  # the base
+    for row in summary[1:]:  # each round's gain over the base, paired on the puzzles both were evaluated on
+        lo, hi = (gain := gain_over_base(store.tables(), experiment, row["round"])).interval(0.95)
+        row[GAIN] = f"{gain.diff:+.3f} ({lo:+.3f}, {hi:+.3f})"
+    print(markdown_table(summary, [*SUMMARY_COLUMNS, GAIN]))
     last = summary[-1]["round"]
     gain = gain_over_base(store.tables(), experiment, last)
     lo, hi = gain.interval(0.95)
