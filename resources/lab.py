@@ -46,6 +46,7 @@ MODE_DEFAULTS: dict[str, dict[str, object]] = {
         "constrain_moves": False,
         "max_tokens": 128,
         "warm_start_steps": 400,
+        "warm_start_puzzles": 500,
         "warm_start_batch": 32,
         "warm_start_lr": 3e-3,
         "warm_start_schedule": "cosine",
