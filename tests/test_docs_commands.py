@@ -67,7 +67,11 @@ EXECUTED: list[tuple[str, str, str]] = [
         "tests/test_bench_smoke.py",
         r'"-m", "bench\.scaling", "--smoke"',
     ),
-    (r"python -m bench\.(gateway(_load)? .*|w4a4_mismatch|free_text_base( .*)?)", THIS, r"BENCH_COMMANDS"),
+    (
+        r"python -m bench\.(gateway(_load)? .*|w4a4_mismatch( .*)?|free_text_base( .*)?)",
+        THIS,
+        r"BENCH_COMMANDS",
+    ),
     (r"make data|python -m prodrl_pipeline\.envs\.lab_data data", THIS, r'"make", "-s", "data"'),
     (
         r"python -m prodrl_pipeline\.envs\.lab_data data --tokenizers-only",
@@ -196,6 +200,7 @@ BENCH_COMMANDS = [
     ["bench.gateway", "--bursts", "4"],
     ["bench.gateway_load", "--rounds", "3"],
     ["bench.w4a4_mismatch"],
+    ["bench.w4a4_mismatch", "--mode", "free_text", "--puzzles", "8", "--warm-start-steps", "2"],
     ["bench.free_text_base", "--steps", "20", "--heldout", "16", "--nll-turns", "8"],
 ]
 
