@@ -71,13 +71,14 @@ def main() -> int:
     store, experiment = resources["store"], resources["lab"].experiment
     summary = round_summary(store.tables(), experiment)
     print(f"\nprodrl demo: {args.rounds} rounds in {time.perf_counter() - t0:.1f} s\n")
-    summary[0][GAIN] = None  # the base
-    for row in summary[1:]:  # each round's gain over the base, paired on the puzzles both were evaluated on
-        lo, hi = (gain := gain_over_base(store.tables(), experiment, row["round"])).interval(0.95)
-        row[GAIN] = f"{gain.diff:+.3f} ({lo:+.3f}, {hi:+.3f})"
+    # each round's gain over the base, paired on the puzzles both were evaluated on
+    gains = {r["round"]: gain_over_base(store.tables(), experiment, r["round"]) for r in summary[1:]}
+    for row in summary:
+        gain = gains.get(row["round"])
+        row[GAIN] = gain and "{:+.3f} ({:+.3f}, {:+.3f})".format(gain.diff, *gain.interval(0.95))
     print(markdown_table(summary, [*SUMMARY_COLUMNS, GAIN]))
     last = summary[-1]["round"]
-    gain = gain_over_base(store.tables(), experiment, last)
+    gain = gains[last]
     lo, hi = gain.interval(0.95)
     print(
         f"\nheld-out greedy solve rate: base {gain.baseline_rate:.3f} -> round {last} {gain.rate:.3f}, "

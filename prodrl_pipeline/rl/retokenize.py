@@ -106,16 +106,15 @@ def retokenize_calls(calls: Iterable[dict], tokenizer: PreTrainedTokenizerBase) 
     out: Counter = Counter()
     rebuilt = []
     for call in calls:
+        out["calls"] += 1
         try:
             new = retokenize_call(call, tokenizer)
         except TemplateError:
-            out["calls"] += 1
             out["not rendered"] += 1
             rebuilt.append(call)
             continue
         rebuilt.append(new)
         old_c, new_c = call["completion_token_ids"], new["completion_token_ids"]
-        out["calls"] += 1
         out["positions"] += len(old_c)
         out["positions_retokenized"] += len(new_c)
         out["positions_aligned"] += sum(a == b for a, b in zip(new_c, old_c, strict=False))
