@@ -36,6 +36,13 @@ from resources.store import StoreResource
 
 CANARY_TAG = "prodrl/canary"
 """The canary a `canary_job` run decides (on the runs the sensor requests)."""
+IN_FLIGHT = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+]
+"""A run in these statuses may still finish the promotion it claimed."""
 DECISION_TAG = "prodrl/decision"
 """On every `canary_job` run: instance.yaml runs one at a time (the claim is safe regardless)."""
 
@@ -73,6 +80,9 @@ def decide_canary(
         )
         return
     if row["status"] not in canaries.UNDECIDED:
+        if requested:  # the sensor's run, for a canary another run decided (or finished) meanwhile
+            context.log.warning(f"canary {row['canary_id']} was decided already: {row['status']}")
+            return
         raise Failure(
             description=f"canary {row['canary_id']} was decided already: {row['status']} by "
             f"{row['decided_by']} ({row['reason']})"
@@ -165,8 +175,8 @@ def canary_sensor(minimum_interval_seconds: int = 30) -> SensorDefinition:
 
 def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabResource):
     """Requests `canary_job` for the active canary once its rule can decide (run key: the canary,
-    so it is requested once, and again after a run of it failed), or to finish a promotion a dead
-    run left; says why it waits otherwise."""
+    so it is requested once, and again after a run of it failed), or to finish a promotion that no
+    run of it in flight is finishing (its run died); says why it waits otherwise."""
     tables = store.tables()
     rows = canaries.sync(tables) if tables.exists("canaries") else []  # judged against live now
     found = canaries.active(rows)
@@ -184,6 +194,11 @@ def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabR
     )
     again = f":{failed}" if failed else ""  # a run that failed (its retry too) is requested anew
     if row["status"] == canaries.PROMOTING:  # its deciding run died mid-promotion: finish it
+        if running := context.instance.get_runs(
+            RunsFilter(job_name=canary_job.name, tags={CANARY_TAG: row["canary_id"]}, statuses=IN_FLIGHT),
+            limit=1,
+        ):
+            return SkipReason(f"canary {row['canary_id']} is being promoted by run {running[0].run_id}")
         return RunRequest(
             run_key=f"{row['canary_id']}:finish{again}",
             run_config={"ops": {"decide_canary": {"config": {"round": row["round"]}}}},

@@ -55,7 +55,7 @@ def arguments() -> argparse.ArgumentParser:
         parser.add_argument(f"--{option.replace('_', '-')}", default=None)
     parser.add_argument("--heldout", type=int, default=200, help="held-out puzzles played")
     parser.add_argument("--nll-turns", type=int, default=100)
-    parser.add_argument("--reasoning", choices=("checks", "chosen_first"), default="checks")
+    parser.add_argument("--reasoning", choices=("checks", "chosen_first", "chosen_last"), default="checks")
     parser.add_argument("--name", default="")
     parser.add_argument("--json", default="", help="append the result as one JSON line to this file")
     return parser
@@ -116,9 +116,17 @@ def chosen_first(moves: list[str], move: str, mode: str) -> dict:
     return message
 
 
+def chosen_last(moves: list[str], move: str, mode: str) -> dict:
+    """The checks in list order, then the played move (a fixed distance before the call's argument)."""
+    message = tool_call_message(move)
+    checks = [m for m in moves if m.endswith("+")]
+    message["content"] = f"<think>Checks: {' '.join(checks) if checks else 'none'}. Play {move}</think>"
+    return message
+
+
 def measure(args: argparse.Namespace) -> dict:
-    if args.reasoning == "chosen_first":
-        warmstart.answer_message = chosen_first
+    if args.reasoning != "checks":
+        warmstart.answer_message = {"chosen_first": chosen_first, "chosen_last": chosen_last}[args.reasoning]
     settings = {OVERRIDES[k]: v for k, v in vars(args).items() if k in OVERRIDES and v is not None}
     lab = LabResource(mode="free_text", **settings)
     tok = lab.tokenizer()

@@ -9,14 +9,16 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from dagster import (
     AssetMaterialization,
+    DagsterRunStatus,
     Failure,
     build_sensor_context,
     instance_for_test,
     materialize,
 )
+from dagster._core.test_utils import create_run_for_test
 
 from assets.base_model import base_model
-from assets.canary import canary_job, canary_sensor
+from assets.canary import CANARY_TAG, canary_job, canary_sensor
 from assets.sensors import round_sensor
 from prodrl_pipeline.evals.canary import CanaryConfig
 from prodrl_pipeline.gateway.deployments import candidate_arm
@@ -156,13 +158,28 @@ def test_a_promotion_whose_run_died_after_its_claim_is_finished_by_the_next_run(
     instance, resources, tables = gate
     canary = _open(tables, 1)
     canaries.close(tables, canary, canaries.PROMOTING, canaries.BY_RULE, "promoted: the rule", {})
-    assert tables.live_deployment()["deployment_id"] == "base"  # the run died here
+    assert tables.live_deployment()["deployment_id"] == "base"  # its run is here, or died here
+    deciding = create_run_for_test(
+        instance, "canary_job", status=DagsterRunStatus.STARTED, tags={CANARY_TAG: canary["canary_id"]}
+    )
+    assert "being promoted by run" in _tick(instance, resources).skip_message  # it may finish yet
+    instance.report_run_failed(deciding)  # it died (dead_run_sensor fails a dead run)
     request = _tick(instance, resources)
-    assert request.run_key == f"{canary['canary_id']}:finish"
-    (check,) = _run(instance, resources, **request.run_config["ops"]["decide_canary"]["config"])
+    assert request.run_key == f"{canary['canary_id']}:finish:1"  # requested anew after the failed run
+    config = request.run_config["ops"]["decide_canary"]["config"]
+    (check,) = _run(instance, resources, **config)
     assert check.passed and check.description == "promoted: the rule"
     assert tables.live_deployment()["deployment_id"] == "main-r000001"
     assert canaries.of_round(canaries.canaries(tables), "main-r000001")["status"] == canaries.PROMOTED
+    again = canary_job.execute_in_process(  # a sensor's run for it, queued meanwhile, ends quietly
+        {"ops": {"decide_canary": {"config": config}}},
+        instance=instance,
+        resources=resources,
+        tags=request.tags,
+    )
+    assert again.success and not again.get_asset_check_evaluations()
+    with pytest.raises(Failure, match="was decided already"):  # one launched by hand says so
+        _run(instance, resources, **config)
 
 
 def test_a_canary_queued_behind_a_promoted_one_is_judged_against_the_new_live_and_can_pass(gate):

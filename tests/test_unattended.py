@@ -20,7 +20,15 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from dagster import AssetKey, AssetRecordsFilter, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import (
+    AssetKey,
+    AssetRecordsFilter,
+    DagsterInstance,
+    DagsterRun,
+    DagsterRunStatus,
+    RunsFilter,
+)
+from dagster._core.scheduler.instigation import InstigatorStatus
 
 from assets.partitions import rounds as round_partitions
 from prodrl_pipeline.chat.render import load_tokenizer
@@ -77,30 +85,57 @@ def _wait_for_rounds(
     deadline: float,
     daemon: subprocess.Popen,
     settled: Callable[[], bool],
-    last_requested: Callable[[], None],
+    stop_round_sensor: Callable[[], None],
 ) -> None:
     """Until round `rounds` is reported and `settled` (its canary decided), and no run is in
-    flight; fails on a failed run. Calls `last_requested` once round `rounds` is added: the traffic
-    the users send meanwhile would start a round more."""
+    flight; fails on a failed run. Once round `rounds` is added, stops `round_sensor` (the traffic
+    the users send meanwhile would start a round more), and again while it is not stopped: the
+    daemon writes a sensor's state back at each tick, over a stop made while the tick ran; it has
+    stuck once it has held for a few of the daemon's iterations."""
     target = f"r{rounds:06d}"
-    requested = False
+    last_added, stopped_since = False, None
     while True:
-        if not requested and target in instance.get_dynamic_partitions(round_partitions.name):
-            last_requested()
-            requested = True
+        last_added = last_added or target in instance.get_dynamic_partitions(round_partitions.name)
+        if last_added and not _stopped(instance, "round_sensor"):
+            stop_round_sensor()
+            stopped_since = time.monotonic()
         failed = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.FAILURE]))
-        assert not failed, f"run {failed[0].run_id} ({failed[0].tags.get('dagster/partition')}) failed"
+        assert not failed, _failure(instance, failed[0])
         in_flight = instance.get_runs(
             RunsFilter(
                 statuses=[DagsterRunStatus.QUEUED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
             )
         )
         reported = target in instance.get_materialized_partitions(AssetKey("eval_report"))
-        if reported and settled() and not in_flight:
+        stuck = stopped_since is not None and time.monotonic() - stopped_since > STOP_HOLDS_SECONDS
+        if reported and settled() and not in_flight and stuck:
             return
         assert daemon.poll() is None, "the daemon exited"
         assert time.monotonic() < deadline, f"round {target} was not reported in time"
         time.sleep(1)  # polling the instance's state, with a deadline
+
+
+STOP_HOLDS_SECONDS = 10
+"""A sensor's stop that has held this long has stuck: the daemon evaluates its sensors every few
+seconds (at most 1 s apart here) and writes a state back only at a tick it started."""
+
+
+def _stopped(instance: DagsterInstance, sensor: str) -> bool:
+    (state,) = [s for s in instance.all_instigator_state() if s.instigator_name == sensor]
+    return state.status == InstigatorStatus.STOPPED
+
+
+def _failure(instance: DagsterInstance, run: DagsterRun) -> str:
+    """Which run failed, and the errors its event log holds."""
+    errors = [
+        f"{e.dagster_event.event_type_value}: {data.error.to_string()}"
+        for e in instance.all_logs(run.run_id)
+        if e.dagster_event is not None
+        and (data := e.dagster_event.event_specific_data) is not None
+        and getattr(data, "error", None) is not None
+    ]
+    partition = run.tags.get("dagster/partition")
+    return f"run {run.run_id} of {run.job_name} ({partition}) failed:\n" + "\n".join(errors)[-6000:]
 
 
 def run_unattended(
