@@ -111,13 +111,16 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
 
 
 def _warm_start_meta(cfg: WarmStartConfig | None) -> dict | None:
-    """The warm start's settings as the base's meta records them; a constant schedule is left out,
-    as before it was a setting, so that a store's base built then is still the same base."""
+    """The warm start's settings as the base's meta records them; a constant schedule and no copy
+    pre-training are left out, as before they were settings, so that a store's base built then is
+    still the same base."""
     if cfg is None:
         return None
     meta = asdict(cfg)
     if meta["schedule"] == "constant":
         del meta["schedule"]
+    if meta["copy_steps"] == 0:
+        del meta["copy_steps"]
     return meta
 
 

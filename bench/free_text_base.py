@@ -6,8 +6,10 @@ the free-text demonstrations, exports its NVFP4 deployment as `base_model` does,
 Reports per call the share that parses to a move call and the share that names a legal move, the
 puzzles solved, and the teacher-forced negative log-likelihood of the demonstrated move's tokens
 in the call (summed over its tokens; mean over `--nll-turns` held-out solution turns), with the
-first token's part apart. `--reasoning chosen_first` demonstrates the checks with the played move
-first (a format to try: the call then copies the reasoning's first move). Options left out keep the
+first token's part apart. `--reasoning` demonstrates an earlier format instead of the mode's
+(`<think>Checks: ... Play <move></think>`): `checks_only`, the checks alone (the format before
+the played move was named), or `chosen_first`, the checks with the played move first. `--save`
+keeps the warm-started model. Options left out keep the
 free-text mode's defaults. Run: `.venv/bin/python -m bench.free_text_base --puzzles 0` (the
 warm start is nearly all of it: ~6 min on 2 idle cores).
 """
@@ -44,6 +46,7 @@ OVERRIDES = {  # option: LabResource setting
     "heads": "num_heads",
     "kv_heads": "num_kv_heads",
     "intermediate": "intermediate_size",
+    "copy_steps": "warm_start_copy_steps",
 }
 
 
@@ -55,7 +58,8 @@ def arguments() -> argparse.ArgumentParser:
         parser.add_argument(f"--{option.replace('_', '-')}", default=None)
     parser.add_argument("--heldout", type=int, default=200, help="held-out puzzles played")
     parser.add_argument("--nll-turns", type=int, default=100)
-    parser.add_argument("--reasoning", choices=("checks", "chosen_first", "chosen_last"), default="checks")
+    parser.add_argument("--reasoning", choices=("default", "checks_only", "chosen_first"), default="default")
+    parser.add_argument("--save", default="", help="save the warm-started model here")
     parser.add_argument("--name", default="")
     parser.add_argument("--json", default="", help="append the result as one JSON line to this file")
     return parser
@@ -70,7 +74,7 @@ def move_nll(model: torch.nn.Module, tokenizer, turns: list[Turn]) -> tuple[floa
             ids = t.prompt_ids + t.completion_ids
             logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
             text = tokenizer.decode(t.completion_ids, skip_special_tokens=False)
-            move = parse_move_call(parse_assistant_text(text))
+            move = parse_move_call(parse_assistant_text(tokenizer, text))
             canonical = tokenizer.encode(move, add_special_tokens=False)
             comp = t.completion_ids
             end = comp.index(close)
@@ -85,7 +89,7 @@ def call_stats(tokenizer, rollouts) -> dict[str, float]:
     parsed = legal = 0
     for call in rollouts.calls:
         text = tokenizer.decode(list(call["completion_token_ids"]), skip_special_tokens=False)
-        move = parse_move_call(parse_assistant_text(text))
+        move = parse_move_call(parse_assistant_text(tokenizer, text))
         messages = json.loads(call["messages_json"])
         board = next(m["content"] for m in reversed(messages) if m["role"] == "user")
         moves = board.split("Legal moves: ")[1].split()
@@ -116,17 +120,17 @@ def chosen_first(moves: list[str], move: str, mode: str) -> dict:
     return message
 
 
-def chosen_last(moves: list[str], move: str, mode: str) -> dict:
-    """The checks in list order, then the played move (a fixed distance before the call's argument)."""
+def checks_only(moves: list[str], move: str, mode: str) -> dict:
+    """The format before the played move was named: the checks alone, in list order."""
     message = tool_call_message(move)
     checks = [m for m in moves if m.endswith("+")]
-    message["content"] = f"<think>Checks: {' '.join(checks) if checks else 'none'}. Play {move}</think>"
+    message["content"] = f"<think>Checks: {' '.join(checks) if checks else 'none'}</think>"
     return message
 
 
 def measure(args: argparse.Namespace) -> dict:
-    if args.reasoning != "checks":
-        warmstart.answer_message = {"chosen_first": chosen_first, "chosen_last": chosen_last}[args.reasoning]
+    if args.reasoning != "default":
+        warmstart.answer_message = {"chosen_first": chosen_first, "checks_only": checks_only}[args.reasoning]
     settings = {OVERRIDES[k]: v for k, v in vars(args).items() if k in OVERRIDES and v is not None}
     lab = LabResource(mode="free_text", **settings)
     tok = lab.tokenizer()
@@ -136,6 +140,8 @@ def measure(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     rows = warm_start(model, turns, cfg, tok.pad_token_id, _progress)
     seconds = time.perf_counter() - t0
+    if args.save:
+        model.save_pretrained(args.save)
     heldout = list(lab.puzzles("heldout"))[: args.heldout]
     nll, nll_first = move_nll(model, tok, solved_turns(tok, heldout, "free_text")[: args.nll_turns])
     result = {

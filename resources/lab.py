@@ -50,12 +50,14 @@ MODE_DEFAULTS: dict[str, dict[str, object]] = {
         "warm_start_batch": 32,
         "warm_start_lr": 3e-3,
         "warm_start_schedule": "cosine",
+        "warm_start_copy_steps": 300,
     },
 }
 """The settings a mode defaults differently from the structured mode (the field defaults): a
 free-text turn is unconstrained and runs to ~100 tokens with 20 checks to list, and its warm start
 learns ~52 tokens a turn instead of one choice: twice the updates of half the turns, decayed to 0,
-for the compute of 200 steps of 64 (docs/lab.md's sweep)."""
+for the compute of 200 steps of 64, after 300 steps of induction pre-training (~30 s) without which
+the model does not copy the move its reasoning names into its call (docs/lab.md's sweeps)."""
 
 
 class LabResource(ConfigurableResource):
@@ -104,6 +106,9 @@ class LabResource(ConfigurableResource):
     """Player turns per warm-start step."""
     warm_start_schedule: Literal["constant", "cosine"] = "constant"
     """The warm start's learning rate over its steps: constant, or a cosine decay to 0."""
+    warm_start_copy_steps: int = 0
+    """Induction pre-training steps before the warm start (random sequences written twice, ~0.1 s
+    a step): the free-text model then copies the move its reasoning names into its call."""
     quant_format: QuantFormat = "nvfp4"  # "nvfp4_w4a4": serve W4A4 (NVFP4 activations too)
     """How deployments are exported and served: NVFP4 weights with fp32 activations (`nvfp4`, Hopper's
     W4A16), NVFP4 weights and activations (`nvfp4_w4a4`, Blackwell's W4A4, emulated: quant/w4a4.py)
@@ -275,6 +280,7 @@ class LabResource(ConfigurableResource):
             batch_size=self.warm_start_batch,
             lr=self.warm_start_lr,
             schedule=self.warm_start_schedule,
+            copy_steps=self.warm_start_copy_steps,
             seed=self.model_seed,
         )
 

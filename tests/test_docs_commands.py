@@ -201,7 +201,7 @@ BENCH_COMMANDS = [
     ["bench.gateway_load", "--rounds", "3"],
     ["bench.w4a4_mismatch"],
     ["bench.w4a4_mismatch", "--mode", "free_text", "--puzzles", "8", "--warm-start-steps", "2"],
-    ["bench.free_text_base", "--steps", "20", "--heldout", "16", "--nll-turns", "8"],
+    ["bench.free_text_base", "--steps", "20", "--copy-steps", "20", "--heldout", "16", "--nll-turns", "8"],
 ]
 
 

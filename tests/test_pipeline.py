@@ -43,6 +43,7 @@ TINY = dict(
     eval_puzzles=16,
     warm_start_steps=3,
     warm_start_batch=8,
+    warm_start_copy_steps=2,
 )
 """Lab settings small enough for a round in seconds."""
 

@@ -7,10 +7,11 @@ Reward 1 for a solved puzzle, else 0 (`partial_credit` gives the fraction of pla
 An illegal or malformed move ends the episode with the reward earned so far.
 
 Two modes (`Mode`). `structured`: the answer is the call alone and the next position comes in the
-call's result. `free_text`: the answer is a short reasoning segment, `<think>Checks: ...</think>`
-(the checking moves: a mate is among them), then the call; the result says only how the move
-went and the next position comes as a user message, so a template that keeps reasoning only after
-the last user message (Qwen3's) drops the earlier turns' reasoning from history.
+call's result. `free_text`: the answer is a short reasoning segment,
+`<think>Checks: ... Play ...</think>` (the checking moves, since a mate is among them, and the move
+played), then the call; the result says only how the move went and the next position comes as a
+user message, so a template that keeps reasoning only after the last user message (Qwen3's) drops
+the earlier turns' reasoning from history.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ MOVE_TOOL = {
 }
 SYSTEM_PROMPT = "Solve the chess puzzle with the move tool."
 FREE_TEXT_SYSTEM_PROMPT = (
-    "Solve the chess puzzle. List the checks in <think></think>, then call the move tool."
+    "Solve the chess puzzle. In <think></think>, list the checks and the move you play; then call "
+    "the move tool with it."
 )
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 Mode = Literal["structured", "free_text"]
@@ -171,10 +173,12 @@ def tool_call_message(move: str, call_id: str = "call_0") -> dict:
     }
 
 
-def reasoning(moves: list[str]) -> str:
-    """The free-text mode's reasoning over a position's legal moves: its checks, in list order."""
+def reasoning(moves: list[str], move: str) -> str:
+    """The free-text mode's reasoning before playing `move` in a position with legal moves `moves`:
+    its checks, in list order, then the move it plays (which the call repeats: its argument is a
+    copy at a fixed distance, `</think>` and the call's opening being the same every turn)."""
     checks = [m for m in moves if m.endswith("+")]
-    return "Checks: " + (" ".join(checks) if checks else "none")
+    return f"Checks: {' '.join(checks) if checks else 'none'}. Play {move}"
 
 
 def answer_message(moves: list[str], move: str, mode: Mode) -> dict:
@@ -182,7 +186,7 @@ def answer_message(moves: list[str], move: str, mode: Mode) -> dict:
     alone (structured), or the reasoning then the call (free_text)."""
     message = tool_call_message(move)
     if mode == "free_text":
-        message["content"] = f"{THINK_OPEN}{reasoning(moves)}{THINK_CLOSE}"
+        message["content"] = f"{THINK_OPEN}{reasoning(moves, move)}{THINK_CLOSE}"
     return message
 
 

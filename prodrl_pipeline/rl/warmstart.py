@@ -49,16 +49,18 @@ class WarmStartConfig:
     """Adam learning rate (betas 0.9, 0.99): the peak, held constant or decayed (`schedule`)."""
     schedule: Literal["constant", "cosine"] = "constant"
     """The learning rate over the steps: constant, or a cosine decay from `lr` to 0 at the last step."""
+    copy_steps: int = 0
+    """Induction pre-training steps before the warm start (`copy_pretrain`; 0: none)."""
     seed: int = 0
-    """Seed of the example shuffle."""
+    """Seed of the example shuffle (and of the copy pre-training's sequences)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"warm start schedule must be constant or cosine, got {self.schedule!r}")
-        if self.steps < 0 or self.puzzles < 0 or self.batch_size < 1 or self.lr <= 0:
+        if self.steps < 0 or self.puzzles < 0 or self.batch_size < 1 or self.lr <= 0 or self.copy_steps < 0:
             raise ValueError(
-                f"warm start needs steps >= 0, puzzles >= 0, batch_size >= 1, lr > 0; got "
-                f"{self.steps}, {self.puzzles}, {self.batch_size}, {self.lr}"
+                f"warm start needs steps >= 0, puzzles >= 0, batch_size >= 1, lr > 0, copy_steps >= 0; "
+                f"got {self.steps}, {self.puzzles}, {self.batch_size}, {self.lr}, {self.copy_steps}"
             )
 
     def demonstrations(self, warmup: Sequence[Puzzle]) -> Sequence[Puzzle]:
@@ -163,6 +165,32 @@ def _step_loss(
     return loss, float(torch.cat(probs).mean())
 
 
+COPY_LENGTH, COPY_BATCH, COPY_LR = 16, 64, 1e-3
+
+
+def copy_pretrain(model: PreTrainedModel, turns: Sequence[Turn], steps: int, seed: int) -> list[float]:
+    """Induction pre-training: each sequence is COPY_LENGTH ids drawn uniformly from those the
+    turns' completions are spelled with, written twice; the loss is the cross-entropy of the second
+    copy given the first (COPY_BATCH sequences a step, Adam at COPY_LR). A copy's loss falls to ~0
+    once the model has an induction circuit (attend to the earlier occurrence of the current token,
+    predict what followed it), which a small model does not form from the demonstrations alone
+    (docs/lab.md): it is what copies a move written in the reasoning into the call. Returns the
+    loss per step."""
+    vocab = torch.tensor(sorted({t for turn in turns for t in turn.completion_ids}))
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=COPY_LR, betas=(0.9, 0.99))
+    losses = []
+    for _ in range(steps):
+        half = vocab[torch.randint(len(vocab), (COPY_BATCH, COPY_LENGTH), generator=gen)]
+        logits = model(torch.cat([half, half], dim=1)).logits[:, COPY_LENGTH - 1 : -1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), half.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def warm_start(
     model: PreTrainedModel,
     turns: Sequence[Turn],
@@ -170,10 +198,12 @@ def warm_start(
     pad_id: int,
     progress: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """Train `model` in place; one row per step (loss, mean pi_S of the solution tokens, learning
-    rate, seconds)."""
-    if cfg.steps and not turns:
+    """Train `model` in place (after `cfg.copy_steps` of `copy_pretrain`); one row per step (loss,
+    mean pi_S of the solution tokens, learning rate, seconds)."""
+    if (cfg.steps or cfg.copy_steps) and not turns:
         raise ValueError("the warm start has no solved turns to learn from")
+    if cfg.copy_steps:
+        copy_pretrain(model, turns, cfg.copy_steps, cfg.seed)
     order = list(range(len(turns)))
     random.Random(cfg.seed).shuffle(order)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99))

@@ -1,11 +1,12 @@
 import copy
+import math
 
 import pytest
 import torch
 
 from prodrl_pipeline.envs.chess_env import ChessEpisode
 from prodrl_pipeline.envs.tool_choice import tool_choice_constraint
-from prodrl_pipeline.rl.warmstart import WarmStartConfig, solved_turns, warm_start
+from prodrl_pipeline.rl.warmstart import COPY_LENGTH, WarmStartConfig, copy_pretrain, solved_turns, warm_start
 
 
 def test_turns_are_what_the_constrained_engine_emits(tokenizer, train_puzzles):
@@ -39,7 +40,7 @@ def test_warm_start_learns_and_is_deterministic(tiny_model, tokenizer, train_puz
 def test_demonstrations_are_a_prefix_of_the_split_and_bad_settings_are_refused(train_puzzles):
     assert WarmStartConfig(puzzles=5).demonstrations(train_puzzles) == train_puzzles[:5]
     assert WarmStartConfig(puzzles=0).demonstrations(train_puzzles) == train_puzzles
-    for bad in ({"puzzles": -1}, {"steps": -1}, {"batch_size": 0}, {"lr": 0.0}):
+    for bad in ({"puzzles": -1}, {"steps": -1}, {"batch_size": 0}, {"lr": 0.0}, {"copy_steps": -1}):
         with pytest.raises(ValueError, match="warm start needs"):
             WarmStartConfig(**bad)
     with pytest.raises(ValueError, match="schedule"):
@@ -57,3 +58,14 @@ def test_a_cosine_schedule_decays_the_learning_rate_to_zero(tiny_model, tokenize
             else [1e-3, 0.5e-3 * (1 + 2**-0.5), 0.5e-3, 0.5e-3 * (1 - 2**-0.5)]
         )
         assert lrs == pytest.approx(expected)
+
+
+def test_copy_pretraining_makes_a_model_repeat_sequences_it_never_saw(tiny_model, tokenizer, train_puzzles):
+    turns = solved_turns(tokenizer, train_puzzles[:20])
+    vocab = torch.tensor(sorted({t for turn in turns for t in turn.completion_ids}))
+    losses = copy_pretrain(tiny_model, turns, 200, seed=0)
+    assert losses[0] > 0.8 * math.log(len(vocab))  # before: about uniform over the ids
+    unseen = vocab[torch.randint(len(vocab), (32, COPY_LENGTH), generator=torch.Generator().manual_seed(99))]
+    with torch.no_grad():
+        guess = tiny_model(torch.cat([unseen, unseen], dim=1)).logits[:, COPY_LENGTH - 1 : -1].argmax(-1)
+    assert (guess == unseen).float().mean() > 0.9  # the second copy predicted from the first
