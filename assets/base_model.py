@@ -127,13 +127,14 @@ def _warm_start_meta(cfg: WarmStartConfig | None) -> dict | None:
 def _warm_start(
     context: AssetExecutionContext, lab: LabResource, model: PreTrainedModel, cfg: WarmStartConfig
 ) -> list[dict]:
-    if cfg.steps == 0:
+    if cfg.steps == 0 and cfg.copy_steps == 0:
         return []
     tok = lab.tokenizer()
     puzzles = cfg.demonstrations(lab.puzzles("warmup"))
     turns = solved_turns(tok, puzzles, lab.mode)
     context.log.info(
-        f"warm start: {cfg.steps} steps of {cfg.batch_size} over {len(turns)} solved turns "
+        (f"induction pre-training: {cfg.copy_steps} steps; then " if cfg.copy_steps else "")
+        + f"warm start: {cfg.steps} steps of {cfg.batch_size} over {len(turns)} solved turns "
         f"of {len(puzzles)} warmup puzzles"
     )
 

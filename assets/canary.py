@@ -41,8 +41,12 @@ IN_FLIGHT = [
     DagsterRunStatus.NOT_STARTED,
     DagsterRunStatus.STARTING,
     DagsterRunStatus.STARTED,
+    DagsterRunStatus.CANCELING,
 ]
-"""A run in these statuses may still finish the promotion it claimed."""
+"""A `canary_job` run in these statuses may still finish the promotion it (or its retry) claimed."""
+MAX_RUNTIME_SECONDS = 900
+"""A `canary_job` run still going after this is failed by run monitoring (instance.yaml), so that a
+run that died without its status changing (its machine lost) cannot hold a promotion forever."""
 DECISION_TAG = "prodrl/decision"
 """On every `canary_job` run: instance.yaml runs one at a time (the claim is safe regardless)."""
 
@@ -80,7 +84,7 @@ def decide_canary(
         )
         return
     if row["status"] not in canaries.UNDECIDED:
-        if requested:  # the sensor's run, for a canary another run decided (or finished) meanwhile
+        if requested and not by_hand:  # the sensor's run, for a canary decided (or finished) meanwhile
             context.log.warning(f"canary {row['canary_id']} was decided already: {row['status']}")
             return
         raise Failure(
@@ -155,7 +159,7 @@ def _metadata(row: dict, verdict: Verdict, live: str) -> dict:
 
 
 @job(
-    tags={DECISION_TAG: "canary"},
+    tags={DECISION_TAG: "canary", "dagster/max_runtime": str(MAX_RUNTIME_SECONDS)},
     description="Decide a round's production canary: by the gate's rule (the sensor launches it), or "
     "promote / roll_back by hand (config: round, decision, operator, reason)",
 )
@@ -175,8 +179,8 @@ def canary_sensor(minimum_interval_seconds: int = 30) -> SensorDefinition:
 
 def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabResource):
     """Requests `canary_job` for the active canary once its rule can decide (run key: the canary,
-    so it is requested once, and again after a run of it failed), or to finish a promotion that no
-    run of it in flight is finishing (its run died); says why it waits otherwise."""
+    so it is requested once, and again after a run of it failed or was cancelled), or to finish a
+    promotion while no canary_job run is in flight (its run died); says why it waits otherwise."""
     tables = store.tables()
     rows = canaries.sync(tables) if tables.exists("canaries") else []  # judged against live now
     found = canaries.active(rows)
@@ -188,17 +192,20 @@ def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabR
             RunsFilter(
                 job_name=canary_job.name,
                 tags={CANARY_TAG: row["canary_id"]},
-                statuses=[DagsterRunStatus.FAILURE],
+                statuses=[DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED],
             )
         )
     )
-    again = f":{failed}" if failed else ""  # a run that failed (its retry too) is requested anew
+    again = f":{failed}" if failed else ""  # after a failed or cancelled run (a retry too): anew
     if row["status"] == canaries.PROMOTING:  # its deciding run died mid-promotion: finish it
+        # any canary_job run (the sensor's or the Launchpad's) may be the one finishing it
         if running := context.instance.get_runs(
-            RunsFilter(job_name=canary_job.name, tags={CANARY_TAG: row["canary_id"]}, statuses=IN_FLIGHT),
-            limit=1,
+            RunsFilter(job_name=canary_job.name, statuses=IN_FLIGHT), limit=1
         ):
-            return SkipReason(f"canary {row['canary_id']} is being promoted by run {running[0].run_id}")
+            return SkipReason(
+                f"canary {row['canary_id']} is being promoted; canary_job run {running[0].run_id} is in "
+                "flight"
+            )
         return RunRequest(
             run_key=f"{row['canary_id']}:finish{again}",
             run_config={"ops": {"decide_canary": {"config": {"round": row["round"]}}}},

@@ -8,7 +8,8 @@ puzzles solved, and the teacher-forced negative log-likelihood of the demonstrat
 in the call (summed over its tokens; mean over `--nll-turns` held-out solution turns), with the
 first token's part apart. `--reasoning` demonstrates an earlier format instead of the mode's
 (`<think>Checks: ... Play <move></think>`): `checks_only`, the checks alone (the format before
-the played move was named), or `chosen_first`, the checks with the played move first. `--save`
+the played move was named), or `chosen_first`, the checks with the played move first (both under
+the mode's current system prompt and tokenizer, which were built for its format). `--save`
 keeps the warm-started model. Options left out keep the
 free-text mode's defaults. Run: `.venv/bin/python -m bench.free_text_base --puzzles 0` (the
 warm start is nearly all of it: ~6 min on 2 idle cores).

@@ -219,7 +219,8 @@ class LabResource(ConfigurableResource):
             "model": (self.tiny_model, "hidden_size num_layers num_heads num_kv_heads intermediate_size"),
             "warm start": (
                 self.warm_start,
-                "warm_start_steps warm_start_puzzles warm_start_batch warm_start_lr warm_start_schedule",
+                "warm_start_steps warm_start_puzzles warm_start_batch warm_start_lr warm_start_schedule "
+                "warm_start_copy_steps",
             ),
             "sampling": (self.sampling, "temperature top_p top_k max_tokens"),
             "trainer": (

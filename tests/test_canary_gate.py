@@ -152,6 +152,7 @@ def test_of_a_rule_run_and_an_override_that_both_read_open_exactly_one_decision_
     assert (row["status"], row["decided_by"]) == (canaries.ROLLED_BACK, "bob")
     assert tables.live_deployment()["deployment_id"] == "base"  # the losing promotion moved nothing
     assert canary_job.tags["prodrl/decision"] == "canary"  # instance.yaml runs these one at a time
+    assert canary_job.tags["dagster/max_runtime"] == "900"  # a dead one cannot hold a promotion
 
 
 def test_a_promotion_whose_run_died_after_its_claim_is_finished_by_the_next_run(gate):
@@ -159,11 +160,11 @@ def test_a_promotion_whose_run_died_after_its_claim_is_finished_by_the_next_run(
     canary = _open(tables, 1)
     canaries.close(tables, canary, canaries.PROMOTING, canaries.BY_RULE, "promoted: the rule", {})
     assert tables.live_deployment()["deployment_id"] == "base"  # its run is here, or died here
-    deciding = create_run_for_test(
-        instance, "canary_job", status=DagsterRunStatus.STARTED, tags={CANARY_TAG: canary["canary_id"]}
-    )
-    assert "being promoted by run" in _tick(instance, resources).skip_message  # it may finish yet
-    instance.report_run_failed(deciding)  # it died (dead_run_sensor fails a dead run)
+    deciding = create_run_for_test(instance, "canary_job", status=DagsterRunStatus.STARTED)  # by hand
+    assert "is being promoted; canary_job run" in _tick(instance, resources).skip_message  # may finish
+    deciding = instance.get_run_by_id(deciding.run_id)
+    instance.add_run_tags(deciding.run_id, {CANARY_TAG: canary["canary_id"]})  # as the sensor's
+    instance.report_run_failed(deciding)  # it died (run monitoring fails it past its max runtime)
     request = _tick(instance, resources)
     assert request.run_key == f"{canary['canary_id']}:finish:1"  # requested anew after the failed run
     config = request.run_config["ops"]["decide_canary"]["config"]

@@ -103,7 +103,12 @@ def _wait_for_rounds(
         assert not failed, _failure(instance, failed[0])
         in_flight = instance.get_runs(
             RunsFilter(
-                statuses=[DagsterRunStatus.QUEUED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
+                statuses=[
+                    DagsterRunStatus.QUEUED,
+                    DagsterRunStatus.NOT_STARTED,
+                    DagsterRunStatus.STARTING,
+                    DagsterRunStatus.STARTED,
+                ]
             )
         )
         reported = target in instance.get_materialized_partitions(AssetKey("eval_report"))
