@@ -4,7 +4,7 @@ Regenerate with `python -m prodrl_pipeline.envs.lab_data data/` (about 8 minutes
 docs/puzzles.md); the result is deterministic for a given seed and committed, so nothing is
 generated at run time. Splits: `train` (RL), `warmup` (supervised warm start) and `heldout`
 (evaluation); each mode's tokenizer (`TOKENIZER_DIRS`) is trained on train + warmup only.
-`--tokenizers-only` rebuilds the tokenizers from the shipped puzzles (about 40 s).
+`--tokenizers-only` rebuilds the tokenizers from the shipped puzzles (about 15 s).
 """
 
 from __future__ import annotations
