@@ -178,8 +178,9 @@ def canary_sensor(minimum_interval_seconds: int = 30) -> SensorDefinition:
 
 
 def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabResource):
-    """Requests `canary_job` for the active canary once its rule can decide (run key: the canary,
-    so it is requested once, and again after a run of it failed or was cancelled), or to finish a
+    """Requests `canary_job` for the active canary once its rule can decide (run key: the canary and
+    its control, so it is requested once per control, and again after a run of it failed or was
+    cancelled), or to finish a
     promotion while no canary_job run is in flight (its run died); says why it waits otherwise."""
     tables = store.tables()
     rows = canaries.sync(tables) if tables.exists("canaries") else []  # judged against live now
@@ -217,8 +218,8 @@ def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabR
         return SkipReason(
             f"canary {row['canary_id']}: {verdict.reason} ({verdict.waited_hours:.2f} of {wait:g} h)"
         )
-    return RunRequest(
-        run_key=f"{row['canary_id']}{again}",
+    return RunRequest(  # a run that found the control moved decided nothing: the new control, a new key
+        run_key=f"{row['canary_id']}@{row['control_id']}{again}",
         run_config={"ops": {"decide_canary": {"config": {"round": row["round"]}}}},
         tags={CANARY_TAG: row["canary_id"]},
     )

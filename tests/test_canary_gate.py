@@ -89,7 +89,7 @@ def test_late_rewards_keep_the_gate_waiting_and_missing_ones_roll_back_at_the_ma
     assert tables.live_deployment()["deployment_id"] == "base"
     tables.append("landing_feedback", [_feedback(t) for t in tids])  # the rewards come, late
     request = _tick(instance, resources)
-    assert request.run_key == late["canary_id"]
+    assert request.run_key == f"{late['canary_id']}@base"  # the canary and the control it is judged against
     (check,) = _run(instance, resources, **request.run_config["ops"]["decide_canary"]["config"])
     assert check.passed and check.description.startswith("promoted")  # all rewards 1: equal arms
     assert tables.live_deployment()["deployment_id"] == "main-r000001"
