@@ -27,6 +27,7 @@ from dagster import (
     sensor,
 )
 
+from assets.launch import IN_FLIGHT
 from assets.partitions import round_key
 from prodrl_pipeline.evals.canary import Verdict
 from prodrl_pipeline.records import canaries
@@ -36,14 +37,6 @@ from resources.store import StoreResource
 
 CANARY_TAG = "prodrl/canary"
 """The canary a `canary_job` run decides (on the runs the sensor requests)."""
-IN_FLIGHT = [
-    DagsterRunStatus.QUEUED,
-    DagsterRunStatus.NOT_STARTED,
-    DagsterRunStatus.STARTING,
-    DagsterRunStatus.STARTED,
-    DagsterRunStatus.CANCELING,
-]
-"""A `canary_job` run in these statuses may still finish the promotion it (or its retry) claimed."""
 MAX_RUNTIME_SECONDS = 900
 """A `canary_job` run still going after this is failed by run monitoring (instance.yaml), so that a
 run that died without its status changing (its machine lost) cannot hold a promotion forever."""
@@ -199,7 +192,7 @@ def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabR
     )
     again = f":{failed}" if failed else ""  # after a failed or cancelled run (a retry too): anew
     if row["status"] == canaries.PROMOTING:  # its deciding run died mid-promotion: finish it
-        # any canary_job run (the sensor's or the Launchpad's) may be the one finishing it
+        # any canary_job run in flight (the sensor's or the Launchpad's) may be the one finishing it
         if running := context.instance.get_runs(
             RunsFilter(job_name=canary_job.name, statuses=IN_FLIGHT), limit=1
         ):
