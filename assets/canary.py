@@ -173,8 +173,8 @@ def canary_sensor(minimum_interval_seconds: int = 30) -> SensorDefinition:
 def due_canary(context: SensorEvaluationContext, store: StoreResource, lab: LabResource):
     """Requests `canary_job` for the active canary once its rule can decide (run key: the canary and
     its control, so it is requested once per control, and again after a run of it failed or was
-    cancelled), or to finish a
-    promotion while no canary_job run is in flight (its run died); says why it waits otherwise."""
+    cancelled), or to finish a promotion while no canary_job run is in flight (its run died); says
+    why it waits otherwise."""
     tables = store.tables()
     rows = canaries.sync(tables) if tables.exists("canaries") else []  # judged against live now
     found = canaries.active(rows)

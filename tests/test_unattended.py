@@ -30,6 +30,7 @@ from dagster import (
 )
 from dagster._core.scheduler.instigation import InstigatorStatus
 
+from assets.launch import in_flight
 from assets.partitions import rounds as round_partitions
 from prodrl_pipeline.chat.render import load_tokenizer
 from prodrl_pipeline.envs.lab_data import iter_lab_puzzles
@@ -101,19 +102,10 @@ def _wait_for_rounds(
             stopped_since = time.monotonic()
         failed = instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.FAILURE]))
         assert not failed, _failure(instance, failed[0])
-        in_flight = instance.get_runs(
-            RunsFilter(
-                statuses=[
-                    DagsterRunStatus.QUEUED,
-                    DagsterRunStatus.NOT_STARTED,
-                    DagsterRunStatus.STARTING,
-                    DagsterRunStatus.STARTED,
-                ]
-            )
-        )
+        busy = in_flight(instance)
         reported = target in instance.get_materialized_partitions(AssetKey("eval_report"))
         stuck = stopped_since is not None and time.monotonic() - stopped_since > STOP_HOLDS_SECONDS
-        if reported and settled() and not in_flight and stuck:
+        if reported and settled() and not busy and stuck:
             return
         assert daemon.poll() is None, "the daemon exited"
         assert time.monotonic() < deadline, f"round {target} was not reported in time"

@@ -175,8 +175,8 @@ def tool_call_message(move: str, call_id: str = "call_0") -> dict:
 
 def reasoning(moves: list[str], move: str) -> str:
     """The free-text mode's reasoning before playing `move` in a position with legal moves `moves`:
-    its checks, in list order, then the move it plays (which the call repeats: its argument is a
-    copy at a fixed distance, `</think>` and the call's opening being the same every turn)."""
+    its checks, in list order, then the move it plays, which the call repeats (a copy that an
+    induction circuit makes: `rl.warmstart.copy_pretrain`)."""
     checks = [m for m in moves if m.endswith("+")]
     return f"Checks: {' '.join(checks) if checks else 'none'}. Play {move}"
 
