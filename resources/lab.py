@@ -51,13 +51,15 @@ MODE_DEFAULTS: dict[str, dict[str, object]] = {
         "warm_start_lr": 3e-3,
         "warm_start_schedule": "cosine",
         "warm_start_copy_steps": 300,
+        "quant_format": "nvfp4_w4a4",
     },
 }
 """The settings a mode defaults differently from the structured mode (the field defaults): a
 free-text turn is unconstrained and runs to ~100 tokens with 20 checks to list, and its warm start
 learns ~52 tokens a turn instead of one choice: twice the updates of half the turns, decayed to 0,
 for the compute of 200 steps of 64, after 300 steps of induction pre-training (~30 s) without which
-the model does not copy the move its reasoning names into its call (docs/lab.md's sweeps)."""
+the model does not copy the move its reasoning names into its call (docs/lab.md's sweeps); and
+its deployments are served W4A4, as Blackwell serves NVFP4."""
 
 
 class LabResource(ConfigurableResource):
@@ -109,10 +111,11 @@ class LabResource(ConfigurableResource):
     warm_start_copy_steps: int = 0
     """Induction pre-training steps before the warm start (random sequences written twice, ~0.1 s
     a step): the free-text model then copies the move its reasoning names into its call."""
-    quant_format: QuantFormat = "nvfp4"  # "nvfp4_w4a4": serve W4A4 (NVFP4 activations too)
+    quant_format: QuantFormat = "nvfp4"
     """How deployments are exported and served: NVFP4 weights with fp32 activations (`nvfp4`, Hopper's
-    W4A16), NVFP4 weights and activations (`nvfp4_w4a4`, Blackwell's W4A4, emulated: quant/w4a4.py)
-    or full precision (`none`). Recorded in each deployment's registry row, which the engine reads."""
+    W4A16), NVFP4 weights and activations (`nvfp4_w4a4`, Blackwell's W4A4, emulated: quant/w4a4.py;
+    the free-text mode's default) or full precision (`none`). Recorded in each deployment's registry
+    row, which the engine reads."""
     qat: bool = False
     """NVFP4 quantization-aware training: the trainer's forward uses the weights the deployment will
     serve (straight-through gradient), so pi_k matches mu up to kernel differences."""

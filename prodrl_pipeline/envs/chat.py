@@ -30,9 +30,11 @@ from prodrl_pipeline.envs.chess_env import THINK_CLOSE, THINK_OPEN
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
-FREE_TEXT_PIECES = Regex(r"\p{N}|\p{L}+|[+=#-]|[^\s\p{L}\p{N}+=#-]+|\s+")
-"""The free-text tokenizer's pre-tokens, within which BPE merges: a digit, a run of letters, one of
-`+=#-`, a run of other punctuation, a run of whitespace."""
+FREE_TEXT_PIECES = Regex(r"\p{N}[+#]?|\p{L}+|[+=#-]|[^\s\p{L}\p{N}+=#-]+|\s+")
+"""The free-text tokenizer's pre-tokens, within which BPE merges: a digit with the check sign after
+it, a run of letters, one of `+=#-`, a run of other punctuation, a run of whitespace. A move is then
+its letters (`Qxe`: one token or several) and its rank with the check (`8+`, or `8` `+`): never one
+token, mostly two."""
 
 _SYSTEM_TURNS = (
     # A tools block of its own unless the first turn is a system turn, which then holds it.

@@ -43,6 +43,7 @@ FREE_TEXT_SYSTEM_PROMPT = (
     "the move tool with it."
 )
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CHECKS = "Checks: "  # introduces the free-text prompt's line of checking moves, and the reasoning
 Mode = Literal["structured", "free_text"]
 """How the model answers a turn (module docstring)."""
 
@@ -149,13 +150,20 @@ def legal_move_texts(board: chess.Board) -> list[str]:
     return list(legal_moves_by_text(board))
 
 
-def render_board(board: chess.Board, moves: list[str] | None = None) -> str:
+def render_board(board: chess.Board, moves: list[str] | None = None, mode: Mode = "structured") -> str:
     """Side to move, FEN and the legal moves (FEN rather than a drawn board: a third of the
-    tokens, and prompt length is what a CPU round pays for). `moves`: the board's
+    tokens, and prompt length is what a CPU round pays for); in free_text mode then a line of the
+    checking moves, which the reasoning copies (`reasoning`). `moves`: the board's
     `legal_move_texts`, when already rendered."""
     side = "White" if board.turn == chess.WHITE else "Black"
     shown = legal_move_texts(board) if moves is None else moves
-    return f"{side} to move. FEN: {board.fen()}\nLegal moves: " + " ".join(shown)
+    text = f"{side} to move. FEN: {board.fen()}\nLegal moves: " + " ".join(shown)
+    return f"{text}\n{CHECKS}{checks_text(shown)}" if mode == "free_text" else text
+
+
+def checks_text(moves: list[str]) -> str:
+    """The checking moves of `moves` in list order, space-separated, or 'none'."""
+    return " ".join(m for m in moves if m.endswith("+")) or "none"
 
 
 def tool_call_message(move: str, call_id: str = "call_0") -> dict:
@@ -177,8 +185,7 @@ def reasoning(moves: list[str], move: str) -> str:
     """The free-text mode's reasoning before playing `move` in a position with legal moves `moves`:
     its checks, in list order, then the move it plays, which the call repeats (a copy that an
     induction circuit makes: `rl.warmstart.copy_pretrain`)."""
-    checks = [m for m in moves if m.endswith("+")]
-    return f"Checks: {' '.join(checks) if checks else 'none'}. Play {move}"
+    return f"{CHECKS}{checks_text(moves)}. Play {move}"
 
 
 def answer_message(moves: list[str], move: str, mode: Mode) -> dict:
@@ -224,7 +231,7 @@ class ChessEpisode:
         system = FREE_TEXT_SYSTEM_PROMPT if self.mode == "free_text" else SYSTEM_PROMPT
         self.messages = [
             {"role": "system", "content": system},
-            {"role": "user", "content": render_board(self.board, self.allowed_moves())},
+            {"role": "user", "content": render_board(self.board, self.allowed_moves(), self.mode)},
         ]
 
     def allowed_moves(self) -> list[str]:
@@ -257,7 +264,7 @@ class ChessEpisode:
         self.board.push(reply)
         self.ply += 2
         self._legal = legal_moves_by_text(self.board)
-        position = render_board(self.board, self.allowed_moves())
+        position = render_board(self.board, self.allowed_moves(), self.mode)
         if self.mode == "free_text":
             self._tool(f"Correct. Opponent played {reply_text}.")
             self.messages.append({"role": "user", "content": position})

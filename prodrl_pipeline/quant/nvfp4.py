@@ -200,7 +200,7 @@ def _load_deployment(path: Path, w4a4: bool) -> PreTrainedModel:
         raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     if w4a4:
-        serve_w4a4(model, input_scales)
+        serve_w4a4(model, input_scales, FUSED_GROUPS)
     return model.eval()
 
 

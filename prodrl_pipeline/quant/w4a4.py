@@ -26,32 +26,64 @@ E4M3_MAX = 448.0
 E4M3_MIN = 2.0**-9  # the smallest subnormal: block scales are clamped to [E4M3_MIN, E4M3_MAX] before the cast
 
 
+def _signed_grid() -> tuple[torch.Tensor, torch.Tensor]:
+    """The signed E2M1 values in ascending order (-0.0 for the negatives that round to 0) and the
+    boundaries between them for `torch.bucketize(y, bounds, right=True)` (bucket i holds
+    bounds[i-1] <= y < bounds[i]). Each boundary is a midpoint; where the midpoint's tie goes to
+    the lower bucket (the even code lies below it) the boundary moves up by one ulp. Below -6 and
+    above 6 the first and last buckets saturate; 0.0 and -0.0 fall in +0's bucket."""
+    magnitudes = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    grid = [-m for m in reversed(magnitudes)] + magnitudes  # -6 ... -0.0, 0.0 ... 6
+    bounds = []
+    for i in range(len(grid) - 1):
+        low, high = grid[i], grid[i + 1]
+        mid = torch.tensor((low + high) / 2, dtype=torch.float32)
+        # the even code is the one of even index in `magnitudes`: |value| at an even position
+        tie_goes_down = magnitudes.index(abs(low)) % 2 == 0 if mid != 0 else False
+        bounds.append(torch.nextafter(mid, torch.tensor(float("inf"))) if tie_goes_down else mid)
+    return torch.tensor(grid, dtype=torch.float32), torch.stack(bounds)
+
+
+GRID, BOUNDS = _signed_grid()
+
+
 def quantize_activations(
     x: torch.Tensor, input_scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 of `x` [..., K] with the per-tensor scale s_x = `input_scale`: q, the signed E2M1 values
     (fp32 [..., K]; the code's sign bit is q's, so a negative x that rounds to 0 gives -0.0), the block
-    scales sb (float8_e4m3fn [..., K/16]) and x_hat = q * (sb * s_x) (fp32)."""
+    scales sb (float8_e4m3fn [..., K/16]) and x_hat = q * (sb * s_x) (fp32). The rounding is one
+    search of the signed grid (`_signed_grid`): a decode step calls this for every linear."""
     blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)  # [..., K/16, 16]
     raw = blocks.abs().amax(-1) / (E2M1_MAX * input_scale)
     sb = torch.where(raw == 0, 1.0, raw).clamp(E4M3_MIN, E4M3_MAX).to(torch.float8_e4m3fn)
     scale = (sb.float() * input_scale).unsqueeze(-1)  # [..., K/16, 1]
-    y = blocks / scale
-    magnitude = y.abs().clamp(max=E2M1_MAX)
-    # the E2M1 grid steps by 0.5 below 2, by 1 below 4 and by 2 up to 6; round() takes a tie to the
-    # even multiple of the step, which is the even code
-    step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
-    rounded = torch.round(magnitude / step) * step
-    q = torch.where(y < 0, -rounded, rounded)  # the sign bit of x < 0 (a -0.0 input is +0, as ModelOpt)
+    q = GRID[torch.bucketize(blocks / scale, BOUNDS, right=True)]
     return q.reshape(x.shape), sb, (q * scale).reshape(x.shape)
+
+
+class SharedInput:
+    """The NVFP4 of the input last quantized, for fused siblings (q/k/v, gate/up). vLLM serves them
+    as one GEMM on one quantized input; here they are linears called back to back on the same
+    tensor with equal scales, and that tensor is quantized once. A hit needs the very tensor (held
+    until the next miss), so a new forward's input is quantized anew."""
+
+    def __init__(self) -> None:
+        self._x: torch.Tensor | None = None
+        self._x_hat: torch.Tensor | None = None
+
+    def quantized(self, x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+        if x is not self._x:
+            self._x, self._x_hat = x, quantize_activations(x, input_scale)[2]
+        return self._x_hat
 
 
 class W4A4Linear(torch.nn.Linear):
     """A linear layer served as a Blackwell NVFP4 GEMM: its weight is already W_hat, its input is
-    quantized to NVFP4 with the calibrated `input_scale` on every call. Its state dict is the
-    linear's (the scale is a non-persistent buffer)."""
+    quantized to NVFP4 with the calibrated `input_scale` on every call (through `shared`, once for
+    its fused siblings). Its state dict is the linear's (the scale is a non-persistent buffer)."""
 
-    def __init__(self, linear: torch.nn.Linear, input_scale: torch.Tensor):
+    def __init__(self, linear: torch.nn.Linear, input_scale: torch.Tensor, shared: SharedInput | None = None):
         if linear.in_features % BLOCK:
             raise ValueError(f"input dim {linear.in_features} is not a multiple of {BLOCK}")
         if not float(input_scale) > 0:  # NaN too
@@ -59,16 +91,26 @@ class W4A4Linear(torch.nn.Linear):
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         self.weight, self.bias = linear.weight, linear.bias
         self.register_buffer("input_scale", input_scale.reshape(()).float(), persistent=False)
+        self.shared = shared or SharedInput()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(quantize_activations(x, self.input_scale)[2])
+        return super().forward(self.shared.quantized(x, self.input_scale))
 
 
-def serve_w4a4(model: torch.nn.Module, input_scales: dict[str, torch.Tensor]) -> None:
+def serve_w4a4(
+    model: torch.nn.Module, input_scales: dict[str, torch.Tensor], fused: tuple[tuple[str, ...], ...]
+) -> None:
     """Replace, in place, each linear of `input_scales` (keyed `{linear}.input_scale`, as the export
-    stores them) by its `W4A4Linear`. q/k/v (and gate/up) read the same input, so their calibrated
-    scales are equal; vLLM's fused layer takes their max, which is each of them."""
-    for key, scale in input_scales.items():
-        parent, _, child = key.removesuffix(".input_scale").rpartition(".")
+    stores them) by its `W4A4Linear`. The siblings of a `fused` group under one module read the same
+    input and share a `SharedInput` when their calibrated scales are equal (the export's are: they
+    see the same activations; vLLM's fused layer takes their max, which is each of them)."""
+    linears = {key.removesuffix(".input_scale"): scale for key, scale in input_scales.items()}
+    shared: dict[str, SharedInput] = {}
+    for name, scale in linears.items():
+        parent, _, child = name.rpartition(".")
+        group = next((g for g in fused if child in g), (child,))
+        siblings = [linears.get(f"{parent}.{c}") for c in group]
+        one = len(group) > 1 and all(s is not None and torch.equal(s, scale) for s in siblings)
+        share = shared.setdefault(f"{parent}.{group[0]}", SharedInput()) if one else SharedInput()
         module = model.get_submodule(parent)
-        setattr(module, child, W4A4Linear(getattr(module, child), scale))
+        setattr(module, child, W4A4Linear(getattr(module, child), scale, share))

@@ -201,3 +201,46 @@ def test_w4a4_linear_refuses_what_it_cannot_quantize():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="^input_scale must be > 0"):
             W4A4Linear(torch.nn.Linear(32, 4), torch.tensor(bad))
+
+
+def test_fused_siblings_quantize_their_input_once(w4a4_export, monkeypatch):
+    """q/k/v and gate/up share their input's NVFP4 (`SharedInput`, as vLLM's fused GEMMs): 4
+    quantizations a layer instead of 7, and the logits bit for bit those of linears that each
+    quantize their own input."""
+    from prodrl_pipeline.quant import w4a4  # noqa: PLC0415
+
+    _, path = w4a4_export
+    shared, alone = load_deployment(path, "nvfp4_w4a4"), load_deployment(path, "nvfp4_w4a4")
+    for layer in alone.modules():
+        if isinstance(layer, W4A4Linear):
+            layer.shared = w4a4.SharedInput()
+    calls = []
+    quantize = w4a4.quantize_activations
+    monkeypatch.setattr(w4a4, "quantize_activations", lambda x, s: calls.append(x) or quantize(x, s))
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    with torch.inference_mode():  # as the engine serves
+        want = alone(ids).logits
+        n_alone = len(calls)
+        got = shared(ids).logits
+        again = shared(ids).logits  # a new forward quantizes its own inputs
+    layers = shared.config.num_hidden_layers
+    assert (n_alone, len(calls) - n_alone) == (7 * layers, 8 * layers)
+    assert torch.equal(got, want) and torch.equal(again, want)
+    attention = shared.model.layers[0].self_attn
+    assert attention.q_proj.shared is attention.v_proj.shared is not attention.o_proj.shared
+
+
+def test_siblings_with_unequal_scales_quantize_alone(w4a4_export, tmp_path):
+    _, path = w4a4_export
+    state = load_file(str(path / "model.safetensors"))
+    state["model.layers.0.self_attn.k_proj.input_scale"] = (
+        state["model.layers.0.self_attn.k_proj.input_scale"] * 2
+    )
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for f in path.iterdir():
+        if f.name != "model.safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    save_file(state, str(folder / "model.safetensors"))
+    attention = load_deployment(folder, "nvfp4_w4a4").model.layers[0].self_attn
+    assert len({id(attention.q_proj.shared), id(attention.k_proj.shared), id(attention.v_proj.shared)}) == 3
