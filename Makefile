@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR)
 
 .PHONY: install system-packages demo test test-slow mutation ui serve lint format clean data bench study
 
-$(BIN)/.installed: pyproject.toml constraints.txt prodrl_pipeline/engine/_head.c
+$(BIN)/.installed: pyproject.toml constraints.txt prodrl_pipeline/engine/_head.c prodrl_pipeline/quant/_nvfp4.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch==2.13.0 is the CPU wheel these machines serve; constraints.txt keeps pip on it.

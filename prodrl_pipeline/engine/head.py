@@ -17,14 +17,12 @@ built) torch's operations do it.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import logging
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from prodrl_pipeline import native
 
 
 class Head(NamedTuple):
@@ -41,32 +39,17 @@ ABI = 1
 def _load_kernel(path: str | None) -> ctypes.CDLL | None:
     """The kernel built at `path` (the extension module's file for this interpreter), or None,
     logged, if there is none or it does not load as a kernel of this calling convention."""
-    if path is None:
-        log.info("no compiled head kernel: the recorded head uses torch.topk")
-        return None
-    try:
-        lib = ctypes.CDLL(path)
-        abi = lib.prodrl_head_abi
-        fn = lib.prodrl_recorded_head
-    except (OSError, AttributeError) as e:
-        log.warning("the head kernel %s does not load (%s): the recorded head uses torch.topk", path, e)
-        return None
-    abi.restype = ctypes.c_int64
-    if abi() != ABI:
-        log.warning("the head kernel %s is a stale build (reinstall): the head uses torch.topk", path)
-        return None
-    fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
-    return lib
+    head = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
+    return native.load(
+        path,
+        "prodrl_head_abi",
+        ABI,
+        {"prodrl_recorded_head": (ctypes.c_int64, head)},
+        "the head uses torch.topk",
+    )
 
 
-def _built() -> str | None:
-    """The extension module's file for this interpreter, if the install built one."""
-    spec = importlib.util.find_spec("prodrl_pipeline.engine._head")
-    return spec.origin if spec is not None else None
-
-
-_KERNEL = _load_kernel(_built())
+_KERNEL = _load_kernel(native.built("prodrl_pipeline.engine._head"))
 
 VOCAB_PER_K = 64
 """The kernel serves heads of K <= V / 64 (the lab's 20 of 5,025): a larger K leaves few blocks

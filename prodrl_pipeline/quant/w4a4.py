@@ -17,8 +17,11 @@ search made serving 2-3x slower. tests/quant/test_w4a4.py checks both bit for bi
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from prodrl_pipeline import native
 from prodrl_pipeline.quant.modelopt_lib import BLOCK
 
 E2M1_MAX = 6.0
@@ -62,6 +65,28 @@ def quantize_activations(
     return q.reshape(x.shape), sb, (q * scale).reshape(x.shape)
 
 
+ABI = 1
+"""The kernel's calling convention (`prodrl_nvfp4_abi` in `_nvfp4.c`)."""
+_KERNEL = native.load(
+    native.built("prodrl_pipeline.quant._nvfp4"),
+    "prodrl_nvfp4_abi",
+    ABI,
+    {"prodrl_nvfp4_dequantized": (None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p])},
+    "W4A4 quantizes activations with torch",
+)
+
+
+def dequantized(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """x_hat of `quantize_activations(x, input_scale)`, bit for bit: from the compiled kernel
+    (`_nvfp4.c`, one pass per block, ~20x faster on a decode step's input) when it reads `x` as it
+    is (float32 on the CPU in C order), else torch's expression."""
+    if _KERNEL is not None and x.is_cpu and x.dtype is torch.float32 and x.is_contiguous():
+        out = torch.empty_like(x)
+        _KERNEL.prodrl_nvfp4_dequantized(x.data_ptr(), x.numel() // BLOCK, float(input_scale), out.data_ptr())
+        return out
+    return quantize_activations(x, input_scale)[2]
+
+
 class SharedInput:
     """The NVFP4 of the input last quantized, for fused siblings (q/k/v, gate/up). vLLM serves them
     as one GEMM on one quantized input; here they are linears called back to back on the same
@@ -74,7 +99,7 @@ class SharedInput:
 
     def quantized(self, x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
         if x is not self._x:
-            self._x, self._x_hat = x, quantize_activations(x, input_scale)[2]
+            self._x, self._x_hat = x, dequantized(x, input_scale)
         return self._x_hat
 
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from prodrl_pipeline import native
 from prodrl_pipeline.engine import head as head_module
 from prodrl_pipeline.engine.head import recorded_head
 
@@ -166,7 +167,7 @@ def test_a_kernel_file_that_does_not_load_or_is_of_another_convention_is_passed_
     broken.write_text("not a shared library")
     assert head_module._load_kernel(str(broken)) is None
     assert head_module._load_kernel(None) is None
-    assert head_module._load_kernel(head_module._built()) is not None
+    assert head_module._load_kernel(native.built("prodrl_pipeline.engine._head")) is not None
 
 
 def test_the_install_built_the_kernel():

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from prodrl_pipeline.quant import w4a4
 from prodrl_pipeline.quant.modelopt_lib import modelopt
 from prodrl_pipeline.quant.nvfp4 import QUANTIZED, export_deployment, load_deployment
-from prodrl_pipeline.quant.w4a4 import W4A4Linear, quantize_activations
+from prodrl_pipeline.quant.w4a4 import W4A4Linear, dequantized, quantize_activations
 from tests.conftest import rounding_tolerance
 
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
@@ -74,6 +75,14 @@ def _check(x: torch.Tensor, s: float) -> None:
     )
     assert torch.equal(_unpack(packed._quantized_data), codes) and torch.equal(mo_scale, scale)
     assert torch.equal(x_hat, mo_hat)
+    _same_bits(dequantized(x, torch.tensor(s)), x_hat)  # the compiled kernel, as served
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal values bit for bit (signed zeros too), NaN where NaN (of any payload)."""
+    nan = want.isnan()
+    assert got.dtype == want.dtype and torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
 
 
 S = 2.0**-8  # the hand-made blocks' tensor scale: a block of amax 6 gets sb = 256, so sb * s = 1
@@ -207,16 +216,14 @@ def test_fused_siblings_quantize_their_input_once(w4a4_export, monkeypatch):
     """q/k/v and gate/up share their input's NVFP4 (`SharedInput`, as vLLM's fused GEMMs): 4
     quantizations a layer instead of 7, and the logits bit for bit those of linears that each
     quantize their own input."""
-    from prodrl_pipeline.quant import w4a4  # noqa: PLC0415
-
     _, path = w4a4_export
     shared, alone = load_deployment(path, "nvfp4_w4a4"), load_deployment(path, "nvfp4_w4a4")
     for layer in alone.modules():
         if isinstance(layer, W4A4Linear):
             layer.shared = w4a4.SharedInput()
     calls = []
-    quantize = w4a4.quantize_activations
-    monkeypatch.setattr(w4a4, "quantize_activations", lambda x, s: calls.append(x) or quantize(x, s))
+    quantize = w4a4.dequantized
+    monkeypatch.setattr(w4a4, "dequantized", lambda x, s: calls.append(x) or quantize(x, s))
     ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
     with torch.inference_mode():  # as the engine serves
         want = alone(ids).logits
@@ -244,3 +251,42 @@ def test_siblings_with_unequal_scales_quantize_alone(w4a4_export, tmp_path):
     save_file(state, str(folder / "model.safetensors"))
     attention = load_deployment(folder, "nvfp4_w4a4").model.layers[0].self_attn
     assert len({id(attention.q_proj.shared), id(attention.k_proj.shared), id(attention.v_proj.shared)}) == 3
+
+
+def test_the_kernel_is_torchs_expression_on_what_torch_alone_defines():
+    """NaN blocks, infinities, -0.0, a non-contiguous input (torch's path), an empty one."""
+    x = torch.tensor(
+        [[float("nan")] + [1.0] * 15, [float("inf"), -float("inf"), -0.0, 3.0] + [0.0] * 12, [-0.0] * 16]
+    )
+    s = torch.tensor(2.0**-8)
+    want = quantize_activations(x, s)[2]
+    _same_bits(dequantized(x, s), want)
+    assert want[0].isnan().all() and want[1, :2].tolist() == [1.75 * 6, -1.75 * 6]
+    wide = torch.randn(4, 64)
+    _same_bits(dequantized(wide[:, ::2], s), quantize_activations(wide[:, ::2], s)[2])
+    assert dequantized(torch.empty(0, 32), s).shape == (0, 32)
+
+
+def test_the_install_built_the_kernel():
+    """`make install` compiles `_nvfp4.c` (pyproject.toml); without it W4A4 is served correctly
+    through torch's expression, at ~2x the serving time of W4A16 (docs/lab.md)."""
+    assert w4a4._KERNEL is not None, "no compiled NVFP4 kernel: install a C compiler and reinstall"
+
+
+def test_the_kernel_is_torchs_expression_on_many_blocks():
+    """20,000 blocks spanning 2^-40 to 2^40, a fifth of the elements at E2M1 midpoints of their
+    block's amax / 6, each row under its own tensor scale (saturating ones too)."""
+    g = torch.Generator().manual_seed(3)
+    rows = 50
+    x = torch.randn(rows, 400, 16, generator=g) * torch.exp2(
+        torch.randint(-40, 40, (rows, 400, 1), generator=g)
+    )
+    tie = torch.rand(x.shape, generator=g) < 0.2
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])[
+        torch.randint(0, 7, x.shape, generator=g)
+    ]
+    x = torch.where(tie, midpoints * x.abs().amax(-1, keepdim=True) / 6 * x.sign(), x)
+    for row, scale in zip(
+        x, x.abs().amax((1, 2)) / (6 * 448) * torch.rand(rows, generator=g) * 2, strict=True
+    ):
+        _same_bits(dequantized(row, scale), quantize_activations(row, scale)[2])
