@@ -13,32 +13,32 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define BLOCK 16
 
 int64_t prodrl_nvfp4_abi(void) { return 1; }
 
-/* v in [2^-9, 448] to the nearest E4M3 (fn) value, ties to even: 3 mantissa bits from 2^-6 on,
- * steps of 2^-9 below it (the subnormals). */
-static float e4m3(float v) {
-    int e;
-    frexpf(v, &e); /* v = m 2^e, m in [0.5, 1) */
-    int step = (e - 1 < -6 ? -6 : e - 1) - 3;
-    return ldexpf(nearbyintf(ldexpf(v, -step)), step);
+/* v in [2^-9, 448] to the nearest E4M3 (fn) value, ties to even: steps of 2^-9 below 2^-6 (the
+ * subnormals: adding 2^23 to v 2^9 < 8 rounds it to an integer), 3 mantissa bits from 2^-6 on (the
+ * float's 23 cut to 3 by adding half their last step, less one unless the kept bit is odd). */
+static inline float e4m3(float v) {
+    if (v < 0x1p-6f) return (v * 512.0f + 0x1p23f - 0x1p23f) / 512.0f;
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits = (bits + 0x7FFFFu + ((bits >> 20) & 1u)) & ~0xFFFFFu;
+    memcpy(&v, &bits, sizeof v);
+    return v;
 }
 
-/* The E2M1 magnitude nearest a >= 0, ties to the even code (0, 1, 2, 4, 6 of 0 0.5 1 1.5 2 3 4 6). */
+/* The E2M1 magnitude nearest a >= 0, ties to the even code (0, 1, 2, 4, 6 of 0 0.5 1 1.5 2 3 4 6):
+ * the steps passed, each boundary on the side its tie falls. Branch-free, so that it vectorizes. */
 static inline float e2m1(float a) {
-    return a <= 0.25f  ? 0.0f
-           : a < 0.75f ? 0.5f
-           : a <= 1.25f ? 1.0f
-           : a < 1.75f ? 1.5f
-           : a <= 2.5f ? 2.0f
-           : a < 3.5f  ? 3.0f
-           : a <= 5.0f ? 4.0f
-                       : 6.0f;
+    return 0.5f * ((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f)) + (float)(a > 2.5f) +
+           (float)(a >= 3.5f) + 2.0f * (a > 5.0f);
 }
 
+__attribute__((target_clones("avx2", "default")))
 void prodrl_nvfp4_dequantized(const float *x, int64_t blocks, float s, float *out) {
     const float divisor = 6.0f * s;
     for (int64_t b = 0; b < blocks; b++) {
@@ -60,8 +60,7 @@ void prodrl_nvfp4_dequantized(const float *x, int64_t blocks, float s, float *ou
         float scale = sb * s;
         for (int i = 0; i < BLOCK; i++) {
             float y = xb[i] / scale;
-            float q = e2m1(fabsf(y));
-            ob[i] = (y < 0.0f ? -q : q) * scale;
+            ob[i] = ((y < 0.0f ? -1.0f : 1.0f) * e2m1(fabsf(y))) * scale; /* (+-q) * scale */
         }
     }
 }
