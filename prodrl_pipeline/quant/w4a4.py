@@ -78,8 +78,8 @@ _KERNEL = native.load(
 
 def dequantized(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     """x_hat of `quantize_activations(x, input_scale)`, bit for bit: from the compiled kernel
-    (`_nvfp4.c`, one pass per block, ~20x faster on a decode step's input) when it reads `x` as it
-    is (float32 on the CPU in C order), else torch's expression."""
+    (`_nvfp4.c`, one pass per block: 16-19x torch's speed on a decode step's input or a prefill's)
+    when it reads `x` as it is (float32 on the CPU in C order), else torch's expression."""
     if _KERNEL is not None and x.is_cpu and x.dtype is torch.float32 and x.is_contiguous():
         out = torch.empty_like(x)
         _KERNEL.prodrl_nvfp4_dequantized(x.data_ptr(), x.numel() // BLOCK, float(input_scale), out.data_ptr())
