@@ -29,6 +29,7 @@ from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import parse_assistant_text
 from prodrl_pipeline.envs.chess_env import parse_move_call, tool_call_message
+from prodrl_pipeline.envs.lab_data import LEGAL_MOVES
 from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.model import build_model, pad_id
 from prodrl_pipeline.quant.nvfp4 import export_deployment, load_deployment
@@ -93,7 +94,7 @@ def call_stats(tokenizer, rollouts) -> dict[str, float]:
         move = parse_move_call(parse_assistant_text(tokenizer, text))
         messages = json.loads(call["messages_json"])
         board = next(m["content"] for m in reversed(messages) if m["role"] == "user")
-        moves = board.split("Legal moves: ")[1].split()
+        moves = next(line for line in board.splitlines() if line.startswith(LEGAL_MOVES)).split()[2:]
         parsed += move is not None
         legal += move in moves
     n = len(rollouts.calls)

@@ -8,7 +8,7 @@ train puzzles with the lab's sampling. Per recorded position, the engine mismatc
 recorded support, as the trainer computes it), over the sampled positions (kept support > 1 token;
 the trainer's `engine_mismatch` counts exactly these) and over every completion position (forced
 tokens add 0). The base export's own calibration (a fixed random batch: `base_model` passes no
-traffic) is reported too.
+traffic) is reported too; `--base` measures a saved model instead of warm-starting one.
 Run: `.venv/bin/python -m bench.w4a4_mismatch` (~3 min on 2 idle cores; `--mode free_text` for the
 free-text lab's traffic, whose turns sample ~50 tokens each).
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.rollout import play
@@ -43,6 +44,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--mode", choices=["structured", "free_text"], default="structured")
     parser.add_argument("--warm-start-steps", type=int, help="default: the mode's (LabResource)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--base", default="", help="a saved model (bench.free_text_base --save) instead of a warm start"
+    )
     return parser
 
 
@@ -66,11 +70,18 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     steps = {} if args.warm_start_steps is None else {"warm_start_steps": args.warm_start_steps}
     lab = LabResource(mode=args.mode, seed=args.seed, **steps)
     tok = lab.tokenizer()
-    model = build_model(lab.tiny_model(), len(tok), tok.pad_token_id)
-    turns = solved_turns(tok, lab.warm_start().demonstrations(lab.puzzles("warmup")), lab.mode)
-    t0 = time.perf_counter()
-    warm_start(model, turns, lab.warm_start(), tok.pad_token_id)
-    print(f"warm start: {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.base:
+        model = AutoModelForCausalLM.from_pretrained(args.base).eval()
+        if model.config.vocab_size != len(tok):
+            raise SystemExit(
+                f"{args.base} has a vocabulary of {model.config.vocab_size}, --mode {args.mode}'s {len(tok)}"
+            )
+    else:
+        model = build_model(lab.tiny_model(), len(tok), tok.pad_token_id)
+        turns = solved_turns(tok, lab.warm_start().demonstrations(lab.puzzles("warmup")), lab.mode)
+        t0 = time.perf_counter()
+        warm_start(model, turns, lab.warm_start(), tok.pad_token_id)
+        print(f"warm start: {time.perf_counter() - t0:.0f} s", flush=True)
     puzzles = list(np.random.default_rng(args.seed).choice(lab.puzzles("train"), args.puzzles, replace=False))
 
     def serve(path: Path, quant_format: str) -> list[dict]:

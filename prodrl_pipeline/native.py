@@ -13,8 +13,8 @@ import logging
 
 log = logging.getLogger(__name__)
 
-Signature = tuple[type, list[type]]
-"""A kernel function's result type and argument types."""
+Signature = tuple[type | None, list[type]]
+"""A kernel function's result type (None: void) and argument types."""
 
 
 def built(module: str) -> str | None:

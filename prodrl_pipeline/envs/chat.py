@@ -34,7 +34,7 @@ FREE_TEXT_PIECES = Regex(r"\p{N}[+#]?|\p{L}+|[+=#-]|[^\s\p{L}\p{N}+=#-]+|\s+")
 """The free-text tokenizer's pre-tokens, within which BPE merges: a digit with the check sign after
 it, a run of letters, one of `+=#-`, a run of other punctuation, a run of whitespace. A move is then
 its letters (`Qxe`: one token or several) and its rank with the check (`8+`, or `8` `+`): never one
-token, mostly two."""
+token, mostly two (castling is `O|-|O`, a promotion `e|8|=|Q`)."""
 
 _SYSTEM_TURNS = (
     # A tools block of its own unless the first turn is a system turn, which then holds it.

@@ -7,7 +7,8 @@
  *   each element: y = x / (sb s); q = the nearest E2M1 magnitude of |y| (ties to the even code,
  *   saturating at 6), negative when y < 0; x_hat = q * (sb s).
  * A block holding a NaN gives NaN (torch: its amax, so its scale, is NaN). Every product and quotient
- * is one IEEE operation, none fused (pyproject.toml compiles it with -ffp-contract=off).
+ * is one IEEE operation, none fused, none reordered (pyproject.toml compiles it with -fno-fast-math
+ * -ffp-contract=off).
  *
  * Built at install as an optional extension (pyproject.toml) and called through ctypes.
  */
@@ -31,8 +32,9 @@ static inline float e4m3(float v) {
     return v;
 }
 
-/* The E2M1 magnitude nearest a >= 0, ties to the even code (0, 1, 2, 4, 6 of 0 0.5 1 1.5 2 3 4 6):
- * the steps passed, each boundary on the side its tie falls. Branch-free, so that it vectorizes. */
+/* The E2M1 magnitude nearest a >= 0 (codes 0-7: 0 0.5 1 1.5 2 3 4 6), a tie to the even code (the
+ * value 0, 1, 2 or 4), saturating at 6: the steps passed, each boundary on the side its tie falls.
+ * Branch-free, so that it vectorizes. */
 static inline float e2m1(float a) {
     return 0.5f * ((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f)) + (float)(a > 2.5f) +
            (float)(a >= 3.5f) + 2.0f * (a > 5.0f);

@@ -9,7 +9,7 @@ s_x = amax_x / (6 * 448) as its static per-tensor FP32 scale (ModelOpt's max cal
   y = x_hat @ W_hat^T (+ b)   in fp32, W_hat the dequantized NVFP4 weights (`nvfp4.py`).
 The kernel multiplies the FP4 codes exactly and accumulates in fp32, so this is its result up to
 summation order. Inputs beyond the calibrated amax saturate (sb at 448, q at ±6), as in the kernel;
-an all-zero block gets sb = 1 (the kernel writes 0: x_hat is 0 both ways).
+an all-zero block gets sb = 1 (Blackwell's kernel writes 0: x_hat is 0 both ways).
 The arithmetic is ModelOpt's `NVFP4QTensor.quantize` then `.dequantize` with the global scale given
 (the path the weights take), written out in a few tensor ops (`quantize_activations`: its packing,
 unpacking and table search made serving 2-3x slower), and served from a compiled kernel of the same
@@ -58,12 +58,12 @@ def quantize_activations(
     """NVFP4 of `x` [..., K] with the per-tensor scale s_x = `input_scale`: q, the signed E2M1 values
     (fp32 [..., K]; the code's sign bit is q's, so a negative x that rounds to 0 gives -0.0), the block
     scales sb (float8_e4m3fn [..., K/16]) and x_hat = q * (sb * s_x) (fp32). The rounding is one
-    search of the signed grid (`_signed_grid`): a decode step calls this for every linear."""
+    search of the signed grid (`_signed_grid`); q of a block holding a NaN is not NaN, its x_hat is."""
     blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)  # [..., K/16, 16]
     raw = blocks.abs().amax(-1) / (E2M1_MAX * input_scale)
     sb = torch.where(raw == 0, 1.0, raw).clamp(E4M3_MIN, E4M3_MAX).to(torch.float8_e4m3fn)
     scale = (sb.float() * input_scale).unsqueeze(-1)  # [..., K/16, 1]
-    q = GRID[torch.bucketize(blocks / scale, BOUNDS, right=True)]
+    q = GRID.to(x.device)[torch.bucketize(blocks / scale, BOUNDS.to(x.device), right=True)]
     return q.reshape(x.shape), sb, (q * scale).reshape(x.shape)
 
 
@@ -79,10 +79,19 @@ _KERNEL = native.load(
 
 
 def dequantized(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """x_hat of `quantize_activations(x, input_scale)`, bit for bit: from the compiled kernel
-    (`_nvfp4.c`, one pass per block: 16-19x torch's speed on a decode step's input or a prefill's)
-    when it reads `x` as it is (float32 on the CPU in C order), else torch's expression."""
-    if _KERNEL is not None and x.is_cpu and x.dtype is torch.float32 and x.is_contiguous():
+    """x_hat of `quantize_activations(x, input_scale)` (the scale taken as fp32), bit for bit:
+    from the compiled kernel (`_nvfp4.c`, one pass per block: 16-19x torch's speed on a decode
+    step's input or a prefill's) when it reads `x` as it is (float32 on the CPU in C order, whole
+    blocks, no gradient wanted), else torch's expression."""
+    input_scale = input_scale.float()
+    if (
+        _KERNEL is not None
+        and x.is_cpu
+        and x.dtype is torch.float32
+        and x.is_contiguous()
+        and x.shape[-1] % BLOCK == 0
+        and not (x.requires_grad and torch.is_grad_enabled())
+    ):
         out = torch.empty_like(x)
         _KERNEL.prodrl_nvfp4_dequantized(x.data_ptr(), x.numel() // BLOCK, float(input_scale), out.data_ptr())
         return out
@@ -90,25 +99,34 @@ def dequantized(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
 
 
 class SharedInput:
-    """The NVFP4 of the input last quantized, for fused siblings (q/k/v, gate/up). vLLM serves them
-    as one GEMM on one quantized input; here they are linears called back to back on the same
-    tensor with equal scales, and that tensor is quantized once. A hit needs the very tensor (held
-    until the next miss), so a new forward's input is quantized anew."""
+    """One quantization of the input of `siblings` fused linears (q/k/v, gate/up). vLLM serves
+    them as one GEMM on one quantized input; here they are linears called back to back on the same
+    tensor with equal scales. The first call quantizes it; the next ones, given that very tensor,
+    reuse it, and the last releases both. A tensor changed in place between the siblings' calls
+    would be served stale (the HF decoder layers pass each a fresh norm output, and nothing writes
+    it); one engine thread serves a model."""
 
-    def __init__(self) -> None:
+    def __init__(self, siblings: int) -> None:
+        self.siblings = siblings
         self._x: torch.Tensor | None = None
         self._x_hat: torch.Tensor | None = None
+        self._left = 0
 
     def quantized(self, x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
         if x is not self._x:
-            self._x, self._x_hat = x, dequantized(x, input_scale)
-        return self._x_hat
+            self._x, self._x_hat, self._left = x, dequantized(x, input_scale), self.siblings
+        x_hat = self._x_hat
+        self._left -= 1
+        if self._left == 0:
+            self._x = self._x_hat = None
+        return x_hat
 
 
 class W4A4Linear(torch.nn.Linear):
     """A linear layer served as a Blackwell NVFP4 GEMM: its weight is already W_hat, its input is
     quantized to NVFP4 with the calibrated `input_scale` on every call (through `shared`, once for
-    its fused siblings). Its state dict is the linear's (the scale is a non-persistent buffer)."""
+    its fused siblings, if it has any). Its state dict is the linear's (the scale is a non-persistent
+    buffer)."""
 
     def __init__(self, linear: torch.nn.Linear, input_scale: torch.Tensor, shared: SharedInput | None = None):
         if linear.in_features % BLOCK:
@@ -118,10 +136,13 @@ class W4A4Linear(torch.nn.Linear):
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         self.weight, self.bias = linear.weight, linear.bias
         self.register_buffer("input_scale", input_scale.reshape(()).float(), persistent=False)
-        self.shared = shared or SharedInput()
+        self.shared = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(self.shared.quantized(x, self.input_scale))
+        x_hat = (
+            self.shared.quantized(x, self.input_scale) if self.shared else dequantized(x, self.input_scale)
+        )
+        return super().forward(x_hat)
 
 
 def serve_w4a4(
@@ -138,6 +159,6 @@ def serve_w4a4(
         group = next((g for g in fused if child in g), (child,))
         siblings = [linears.get(f"{parent}.{c}") for c in group]
         one = len(group) > 1 and all(s is not None and torch.equal(s, scale) for s in siblings)
-        share = shared.setdefault(f"{parent}.{group[0]}", SharedInput()) if one else SharedInput()
+        share = shared.setdefault(f"{parent}.{group[0]}", SharedInput(len(group))) if one else None
         module = model.get_submodule(parent)
         setattr(module, child, W4A4Linear(getattr(module, child), scale, share))

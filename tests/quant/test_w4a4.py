@@ -121,6 +121,18 @@ def test_hand_made_blocks():
     assert got["signed tiny values"][1][:3] == [0.0, 0.0, 0.0]
 
 
+def test_every_block_scale_tie():
+    """Blocks whose raw scale max|x| / (6 s) is exactly each midpoint of two E4M3 values in
+    [2^-9, 448] (subnormal and normal, the carry into the next exponent), and one ulp either side."""
+    values = E4M3[E4M3 >= 2.0**-9]
+    mids = ((values[:-1] + values[1:]) / 2 * 6 * S).float()  # exact: 5 significant bits times 6 s
+    amax = torch.cat([mids, torch.nextafter(mids, mids * 2), torch.nextafter(mids, mids / 2)])
+    x = amax[:, None] * torch.linspace(-1, 1, 16)  # the first element is -amax, the last +amax
+    _check(x, S)
+    raw = (mids / (6 * S)).double()
+    assert torch.equal(raw, (values[:-1] + values[1:]) / 2)  # they are the ties
+
+
 @pytest.mark.parametrize("relative_scale", [1.0, 0.25, 4.0])  # dynamic, saturating, coarse
 def test_random_tensors(relative_scale):
     g = torch.Generator().manual_seed(0)
@@ -220,7 +232,7 @@ def test_fused_siblings_quantize_their_input_once(w4a4_export, monkeypatch):
     shared, alone = load_deployment(path, "nvfp4_w4a4"), load_deployment(path, "nvfp4_w4a4")
     for layer in alone.modules():
         if isinstance(layer, W4A4Linear):
-            layer.shared = w4a4.SharedInput()
+            layer.shared = None
     calls = []
     quantize = w4a4.dequantized
     monkeypatch.setattr(w4a4, "dequantized", lambda x, s: calls.append(x) or quantize(x, s))
@@ -234,7 +246,18 @@ def test_fused_siblings_quantize_their_input_once(w4a4_export, monkeypatch):
     assert (n_alone, len(calls) - n_alone) == (7 * layers, 8 * layers)
     assert torch.equal(got, want) and torch.equal(again, want)
     attention = shared.model.layers[0].self_attn
-    assert attention.q_proj.shared is attention.v_proj.shared is not attention.o_proj.shared
+    assert attention.q_proj.shared is attention.v_proj.shared and attention.o_proj.shared is None
+    assert attention.q_proj.shared._x is None  # released by the last sibling
+    # a tensor changed in place once its group has read it is quantized again, shared or not
+    x = torch.randn(1, 2, attention.q_proj.in_features)
+    for group in ((attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,)):
+        first = [layer(x) for layer in group][0]
+        x.mul_(2)
+        layer = group[0]
+        again = layer(x)
+        assert torch.equal(again, torch.nn.functional.linear(quantize(x, layer.input_scale), layer.weight))
+        assert not torch.equal(again, first)
+        [sibling(x) for sibling in group[1:]]
 
 
 def test_siblings_with_unequal_scales_quantize_alone(w4a4_export, tmp_path):
@@ -249,8 +272,10 @@ def test_siblings_with_unequal_scales_quantize_alone(w4a4_export, tmp_path):
         if f.name != "model.safetensors":
             (folder / f.name).write_bytes(f.read_bytes())
     save_file(state, str(folder / "model.safetensors"))
-    attention = load_deployment(folder, "nvfp4_w4a4").model.layers[0].self_attn
-    assert len({id(attention.q_proj.shared), id(attention.k_proj.shared), id(attention.v_proj.shared)}) == 3
+    layer = load_deployment(folder, "nvfp4_w4a4").model.layers[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    assert attention.q_proj.shared is attention.k_proj.shared is attention.v_proj.shared is None
+    assert mlp.gate_proj.shared is mlp.up_proj.shared is not None  # its scales are still equal
 
 
 def test_the_kernel_is_torchs_expression_on_what_torch_alone_defines():
