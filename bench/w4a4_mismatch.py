@@ -22,11 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.rollout import play
-from prodrl_pipeline.model import build_model, pad_id
+from prodrl_pipeline.model import build_model, load_model, pad_id
 from prodrl_pipeline.quant.nvfp4 import export_deployment, load_deployment
 from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import policy_logprobs
@@ -71,7 +70,9 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     lab = LabResource(mode=args.mode, seed=args.seed, **steps)
     tok = lab.tokenizer()
     if args.base:
-        model = AutoModelForCausalLM.from_pretrained(args.base).eval()
+        if args.warm_start_steps is not None:
+            raise SystemExit("--base measures a saved model: --warm-start-steps does not apply")
+        model = load_model(args.base)
         if model.config.vocab_size != len(tok):
             raise SystemExit(
                 f"{args.base} has a vocabulary of {model.config.vocab_size}, --mode {args.mode}'s {len(tok)}"

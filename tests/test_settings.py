@@ -212,3 +212,13 @@ def test_rounds_evaluate_a_fixed_subset_and_every_kth_round_the_whole_held_out_s
         p.puzzle_id for p in every[:4]
     ]  # the same four each time
     assert len(LabResource(eval_puzzles=4).heldout(3)) == 4 and len(LabResource().heldout(1)) == len(every)
+
+
+def test_the_free_text_mode_defaults_its_own_settings_and_an_explicit_one_wins():
+    from resources.lab import LabResource  # noqa: PLC0415
+
+    free, structured = LabResource(mode="free_text"), LabResource()
+    assert (free.lr, free.quant_format, free.constrain_moves) == (1e-4, "nvfp4_w4a4", False)
+    assert (structured.lr, structured.quant_format, structured.constrain_moves) == (5e-4, "nvfp4", True)
+    chosen = LabResource(mode="free_text", lr=5e-4, quant_format="nvfp4")
+    assert (chosen.lr, chosen.quant_format) == (5e-4, "nvfp4")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import multiprocessing
 from collections.abc import Iterable, Iterator
-from multiprocessing import Pool
 from pathlib import Path
 
 import chess
@@ -47,7 +47,7 @@ def solved_transcript(puzzle: Puzzle, mode: Mode = "structured") -> tuple[list[d
 
 def _corpus(puzzles: list[Puzzle], mode: Mode, processes: int = 2) -> tuple[list[str], set[str]]:
     """The texts of every solved transcript in `mode` and the move strings they show (in puzzle order)."""
-    with Pool(processes) as pool:
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:  # not forked: puzzle_gen.generate
         transcripts = pool.starmap(solved_transcript, [(p, mode) for p in puzzles], chunksize=64)
     texts, moves = [], set()
     for messages, shown in transcripts:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import multiprocessing
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from multiprocessing import Pool
 
 import chess
 
@@ -232,7 +232,9 @@ def generate(
     chunks = [list(range(i, n_games, n_chunks)) for i in range(n_chunks)]
     args = [(c, seed, max_plies, mate_in_two) for c in chunks]
     if processes > 1:
-        with Pool(processes) as pool:
+        # spawned, not forked: a fork of a process with threads (torch's, a test runner's) can
+        # inherit a lock held by another thread and wait on it forever
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
             results = pool.map(_worker, args, chunksize=1)
     else:
         results = [_worker(a) for a in args]

@@ -40,7 +40,9 @@ static inline float e2m1(float a) {
            (float)(a >= 3.5f) + 2.0f * (a > 5.0f);
 }
 
+#if defined(__x86_64__)
 __attribute__((target_clones("avx2", "default")))
+#endif
 void prodrl_nvfp4_dequantized(const float *x, int64_t blocks, float s, float *out) {
     const float divisor = 6.0f * s;
     for (int64_t b = 0; b < blocks; b++) {

@@ -224,7 +224,10 @@ def test_a_move_spelled_otherwise_is_counted_non_canonical(free_tok, train_puzzl
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the default warm start reaches ~93-96% (docs/lab.md#measured)")
+@pytest.mark.xfail(
+    strict=False,
+    reason="the default warm start is at the line: 94.2-96.1% of sampled calls parse (docs/lab.md#measured)",
+)
 def test_the_warm_started_free_text_base_writes_well_formed_calls(free_tok, train_puzzles):
     """The free-text mode's default warm start (LabResource): >= 95% of its sampled calls parse."""
     from resources.lab import LabResource
