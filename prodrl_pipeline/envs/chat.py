@@ -10,11 +10,11 @@ calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; an assistan
 - free_text (`train_free_text_tokenizer`, `FREE_TEXT_TEMPLATE`): no move is a token. A digit is a
   piece of its own, with the check sign after it (`8+`), and so are spaces, `=`, `-` and other `+`:
   every SAN move spans at least its letters and its rank, and is spelled alike in the list, the
-  checks line, the reasoning and the argument. The BPE merges letters (`Bx`, `xf`, `Bxf`), so a move has several spellings that
-  decode to it. `<think>`/`</think>` are added, non-special tokens, as in Qwen3. The template
-  rewrites history as Qwen3's does: an assistant turn's reasoning (split off at `</think>`) is
-  kept only after the last user message, and a call's arguments are rendered from their parsed
-  object (`tojson`), never as the text the model wrote.
+  checks line, the reasoning and the argument. The BPE merges letters (`Bx`, `xf`, `Bxf`), so a move
+  has several spellings that decode to it. `<think>`/`</think>` are added, non-special tokens, as in
+  Qwen3. The template rewrites history as Qwen3's does: an assistant turn's reasoning (split off at
+  `</think>`) is kept only after the last user message, and a call's arguments are rendered from
+  their parsed object (`tojson`), never as the text the model wrote.
 """
 
 from __future__ import annotations

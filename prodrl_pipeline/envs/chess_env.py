@@ -1,10 +1,11 @@
 """Multi-turn chess puzzle environment: the model plays the puzzle through a `move` tool.
 
-Each turn the model sees the board as text (side to move, FEN, the legal moves; in free_text
-mode also the checking moves) and answers with one `move` tool call. The environment checks the move against the puzzle solution
-(Lichess rules: any mate is accepted on the last move), plays the opponent's reply and continues.
-Reward 1 for a solved puzzle, else 0 (`partial_credit` gives the fraction of player moves found).
-An illegal or malformed move ends the episode with the reward earned so far.
+Each turn the model sees the board as text (side to move, FEN, the legal moves; in free_text mode
+also the checking moves) and answers with one `move` tool call. The environment checks the move
+against the puzzle solution (Lichess rules: any mate is accepted on the last move), plays the
+opponent's reply and continues. Reward 1 for a solved puzzle, else 0 (`partial_credit` gives the
+fraction of player moves found). An illegal or malformed move ends the episode with the reward
+earned so far.
 
 Two modes (`Mode`). `structured`: the answer is the call alone and the next position comes in the
 call's result. `free_text`: the answer is a short reasoning segment,
