@@ -28,7 +28,14 @@ import torch
 from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.sampler import TorchEngine
 from prodrl_pipeline.envs.chat import parse_assistant_text
-from prodrl_pipeline.envs.chess_env import parse_move_call, tool_call_message
+from prodrl_pipeline.envs.chess_env import (
+    CHECKS,
+    THINK_CLOSE,
+    THINK_OPEN,
+    checks_text,
+    parse_move_call,
+    tool_call_message,
+)
 from prodrl_pipeline.envs.lab_data import LEGAL_MOVES
 from prodrl_pipeline.envs.rollout import play
 from prodrl_pipeline.model import build_model, pad_id
@@ -114,19 +121,18 @@ def _progress(row: dict) -> None:
 
 def chosen_first(moves: list[str], move: str, mode: str) -> dict:
     """The checks with the played move first (when it is one), then the others in list order."""
-    message = tool_call_message(move)
-    checks = [m for m in moves if m.endswith("+")]
-    if move in checks:
-        checks = [move] + [m for m in checks if m != move]
-    message["content"] = f"<think>Checks: {' '.join(checks) if checks else 'none'}</think>"
-    return message
+    return _checks_reasoning([move] + [m for m in moves if m != move], move)
 
 
 def checks_only(moves: list[str], move: str, mode: str) -> dict:
     """The format before the played move was named: the checks alone, in list order."""
+    return _checks_reasoning(moves, move)
+
+
+def _checks_reasoning(moves: list[str], move: str) -> dict:
+    """The call playing `move` after a reasoning of the checks among `moves` alone."""
     message = tool_call_message(move)
-    checks = [m for m in moves if m.endswith("+")]
-    message["content"] = f"<think>Checks: {' '.join(checks) if checks else 'none'}</think>"
+    message["content"] = f"{THINK_OPEN}{CHECKS}{checks_text(moves)}{THINK_CLOSE}"
     return message
 
 
