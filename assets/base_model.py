@@ -13,7 +13,15 @@ from prodrl_pipeline.evals.gate import NO_EVALUATION
 from prodrl_pipeline.evals.heldout import solve_rate, solve_rates_by_theme
 from prodrl_pipeline.model import build_model, load_model, n_parameters
 from prodrl_pipeline.quant.nvfp4 import export_deployment
-from prodrl_pipeline.records.registry import BASE, children, lookup, register_checkpoint, register_deployment
+from prodrl_pipeline.records.registry import (
+    BASE,
+    children,
+    live_deployment,
+    lookup,
+    register_checkpoint,
+    register_deployment,
+    set_live,
+)
 from prodrl_pipeline.rl.checkpoint import META_FILE, save_checkpoint
 from prodrl_pipeline.rl.warmstart import WarmStartConfig, solved_turns, warm_start
 from resources.lab import LabResource
@@ -79,8 +87,8 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
         quant_format=lab.quant_format,
         sampling_json=json.dumps(asdict(lab.sampling())),
     )
-    if tables.live_deployment() is None:
-        tables.set_live(BASE)
+    if live_deployment(tables) is None:
+        set_live(tables, BASE)
     if lab.evaluated():
         results = evaluate_deployment(
             tables, lab, artifacts, lookup(tables, "deployments", "deployment_id", BASE), 0
@@ -105,7 +113,7 @@ def base_model(context: AssetExecutionContext, store: StoreResource, lab: LabRes
             "quant_format": lab.quant_format,
             **evaluation,
             **_warm_start_metadata(warm_rows),
-            "live_deployment": tables.live_deployment()["deployment_id"],
+            "live_deployment": live_deployment(tables)["deployment_id"],
         }
     )
 

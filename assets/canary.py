@@ -31,7 +31,7 @@ from assets.launch import IN_FLIGHT
 from assets.partitions import round_key
 from prodrl_pipeline.evals.canary import Verdict
 from prodrl_pipeline.records import canaries
-from prodrl_pipeline.records.registry import round_id
+from prodrl_pipeline.records.registry import live_deployment, round_id
 from resources.lab import LabResource
 from resources.store import StoreResource
 
@@ -112,7 +112,7 @@ def decide_canary(
             raise Failure(description=f"{e}; this override was not applied") from e
         context.log.warning(f"{e}; this run's decision was not applied")
         return
-    live = tables.live_deployment()["deployment_id"]
+    live = live_deployment(tables)["deployment_id"]
     context.log.info(f"canary {row['canary_id']}: {closed['reason']}; live is {live}")
     context.log_event(
         AssetCheckEvaluation(

@@ -31,7 +31,7 @@ from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.quant.nvfp4 import export_deployment, load_deployment, weight_error
 from prodrl_pipeline.records.canaries import CanaryBusy, open_canary, supersede
 from prodrl_pipeline.records.queries import stored_results
-from prodrl_pipeline.records.registry import lookup, register_deployment, round_id
+from prodrl_pipeline.records.registry import live_deployment, lookup, move_live, register_deployment, round_id
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import load_checkpoint
 from prodrl_pipeline.rounds import goes_live
@@ -123,7 +123,7 @@ def _deployment_round(
         export_bytes = sum(f.stat().st_size for f in upload.folder.iterdir())
         rel_error = weight_error(model, upload.folder)
     path = upload.uri
-    live = tables.live_deployment()  # before registering: a re-run may re-register the live one
+    live = live_deployment(tables)  # before registering: a re-run may re-register the live one
     register_deployment(
         tables,
         deployment_id=dep_id,
@@ -169,11 +169,11 @@ def _deployment_round(
             zip(calls["prompt_token_ids"].to_pylist(), calls["completion_token_ids"].to_pylist(), strict=True)
         )
         _swap_vllm(context, lab, artifacts, new, live, golden[:GOLDEN_CALLS])
-    moved = tables.move_live(dep_id, decide)  # decided on the live row read in the same commit
+    moved = move_live(tables, dep_id, decide)  # decided on the live row read in the same commit
     if serving and not moved:  # live moved under this run: the engine serves what is live now
-        now = tables.live_deployment()
+        now = live_deployment(tables)
         swap(lab.vllm_url, artifacts.local(now["path"]), weight_label(now))
-    context.log.info(f"round {k}: {reason}; live is {tables.live_deployment()['deployment_id']}")
+    context.log.info(f"round {k}: {reason}; live is {live_deployment(tables)['deployment_id']}")
     return MaterializeResult(
         metadata={
             "deployment_id": dep_id,
@@ -182,7 +182,7 @@ def _deployment_round(
             "quant_format": lab.quant_format,
             "previous_live": live["deployment_id"],
             "moved_live": moved,
-            "live_now": tables.live_deployment()["deployment_id"],
+            "live_now": live_deployment(tables)["deployment_id"],
             **evaluation,
             "export_bytes": export_bytes,
             "weight_rel_error": rel_error,

@@ -18,6 +18,7 @@ from prodrl_pipeline.cleanup import remove, unreferenced
 from prodrl_pipeline.evals.gate import NO_EVALUATION
 from prodrl_pipeline.evals.heldout import solve_rate
 from prodrl_pipeline.evals.report import markdown_table
+from prodrl_pipeline.records.registry import live_deployment
 from prodrl_pipeline.records.schema import TABLES
 from resources.lab import LabResource
 from resources.store import StoreResource
@@ -40,7 +41,7 @@ def evaluate_live(context: OpExecutionContext, store: StoreResource, lab: LabRes
         context.log.info(f"live deployment not evaluated: {NO_EVALUATION}")
         return
     tables = store.tables(context.run.run_id)
-    live = tables.live_deployment()
+    live = live_deployment(tables)
     if live is None:
         context.log.warning("no live deployment to evaluate")
         return

@@ -21,7 +21,7 @@ from assets.dead_runs import DIED_TAG
 from assets.jobs import round_job
 from assets.partitions import round_key, round_number, rounds
 from prodrl_pipeline.records import canaries
-from prodrl_pipeline.records.registry import round_id
+from prodrl_pipeline.records.registry import live_deployment, round_id
 from prodrl_pipeline.records.snapshot import LANDING, count_available
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rounds import DEPLOYED, TRAFFIC_TAKEN, runs_again, start_blocker
@@ -74,7 +74,7 @@ def next_round(context: SensorEvaluationContext, store: StoreResource, lab: LabR
     tables = store.tables()
     if blocker := start_blocker(lab.schedule, latest, done, list(ended), _undecided(tables, lab.experiment)):
         return SkipReason(blocker)
-    live = tables.live_deployment()
+    live = live_deployment(tables)
     if live is None:
         return SkipReason("no live deployment: materialize base_model first")
     nxt = round_key(latest + 1)

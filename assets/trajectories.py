@@ -24,6 +24,7 @@ from assets.base_model import base_model
 from assets.partitions import each_round, round_number, rounds
 from prodrl_pipeline.artifacts import Artifacts
 from prodrl_pipeline.envs.rollout import play
+from prodrl_pipeline.records.registry import live_deployment
 from prodrl_pipeline.records.snapshot import snapshot_production
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.records.validate import prefix_continuity, split_valid
@@ -81,7 +82,7 @@ def _trajectories_round(
             counterfactual=lab.counterfactual,
             experiment=lab.experiment,
             round_=k,
-            live=tables.live_deployment(),
+            live=live_deployment(tables),
             registered=registered,
             counted=config.deployment_id,
         )

@@ -83,9 +83,8 @@ WORK = {  # bucket: (owner, attribute) pairs, looked up at call time by their ca
             "overwrite_round",
             "append",
             "transaction_version",
-            "move_live",
-            "set_live",
-            "live_deployment",
+            "update",
+            "update_if",
         )
     ],
     "environment": [
@@ -114,6 +113,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=64, help="B")
     parser.add_argument("--eval-puzzles", type=int, default=0, help="held-out puzzles (0 = all)")
     parser.add_argument("--warm-start-steps", type=int, default=40, help="the base model's (not timed)")
+    parser.add_argument(
+        "--mode", choices=["structured", "free_text"], default="structured", help="the lab's mode"
+    )
+    parser.add_argument("--base", help="a saved base checkpoint to start from (no warm start)")
     return parser
 
 
@@ -153,10 +156,12 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
     shares, tables, dagster, lines = [], [], [], []
     with tempfile.TemporaryDirectory() as root, instance_for_test() as instance:
         lab = LabResource(
+            mode=args.mode,
             steps=args.steps,
             batch_size=args.batch,
             eval_puzzles=args.eval_puzzles,
             warm_start_steps=args.warm_start_steps,
+            base_checkpoint=args.base or "",
         )
         resources = {"store": StoreResource(root=root), "lab": lab}
         assert materialize([base_model], instance=instance, resources=resources, run_config=QUIET).success

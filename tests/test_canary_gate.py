@@ -23,7 +23,7 @@ from assets.sensors import round_sensor
 from prodrl_pipeline.evals.canary import CanaryConfig
 from prodrl_pipeline.gateway.deployments import candidate_arm
 from prodrl_pipeline.records import canaries
-from prodrl_pipeline.records.registry import register_deployment
+from prodrl_pipeline.records.registry import live_deployment, register_deployment, set_live
 from tests.test_pipeline import _resources
 from tests.test_sensor import _call, _feedback
 
@@ -86,13 +86,13 @@ def test_late_rewards_keep_the_gate_waiting_and_missing_ones_roll_back_at_the_ma
     tids = _canary_traffic(tables, late, 40)
     assert "waiting: 0 candidate / 0 control" in _tick(instance, resources).skip_message
     assert _run(instance, resources, round=1) == []  # launched early by hand: nothing decided
-    assert tables.live_deployment()["deployment_id"] == "base"
+    assert live_deployment(tables)["deployment_id"] == "base"
     tables.append("landing_feedback", [_feedback(t) for t in tids])  # the rewards come, late
     request = _tick(instance, resources)
     assert request.run_key == f"{late['canary_id']}@base"  # the canary and the control it is judged against
     (check,) = _run(instance, resources, **request.run_config["ops"]["decide_canary"]["config"])
     assert check.passed and check.description.startswith("promoted")  # all rewards 1: equal arms
-    assert tables.live_deployment()["deployment_id"] == "main-r000001"
+    assert live_deployment(tables)["deployment_id"] == "main-r000001"
 
     never = _open(tables, 2)  # against base, as if round 2 was trained before the promotion
     _canary_traffic(tables, never, 40)
@@ -103,7 +103,7 @@ def test_late_rewards_keep_the_gate_waiting_and_missing_ones_roll_back_at_the_ma
     (check,) = _run(instance, resources, round=2)
     assert not check.passed and "of 4 per arm after 2.00 h (max_wait_hours 1)" in check.description
     assert check.metadata["n_candidate"].value == 0 and "lower_bound" not in check.metadata
-    assert tables.live_deployment()["deployment_id"] == "main-r000001"  # live unchanged
+    assert live_deployment(tables)["deployment_id"] == "main-r000001"  # live unchanged
     assert isinstance(_tick(instance, resources).skip_message, str)  # nothing open: nothing requested
 
 
@@ -132,7 +132,7 @@ def test_an_operator_overrides_the_gate_from_the_job_config_and_the_next_round_w
         row = canaries.of_round(canaries.canaries(tables), "main-r000001")
         assert (row["status"], row["decided_by"]) == (canaries.ROLLED_BACK, "alice")
         assert json.loads(row["verdict_json"])["decision"] == "wait"  # what the rule said, kept
-        assert tables.live_deployment()["deployment_id"] == "base"
+        assert live_deployment(tables)["deployment_id"] == "base"
         with pytest.raises(Failure, match="was decided already: rolled_back by alice"):
             _run(instance, resources, round=1, decision="promote", operator="bob", reason="changed my mind")
         with build_sensor_context(instance=instance, resources=resources) as ctx:
@@ -150,7 +150,7 @@ def test_of_a_rule_run_and_an_override_that_both_read_open_exactly_one_decision_
         canaries.settle(tables, stale, True, canaries.BY_RULE, "promoted: the rule", {})
     row = canaries.of_round(canaries.canaries(tables), "main-r000001")
     assert (row["status"], row["decided_by"]) == (canaries.ROLLED_BACK, "bob")
-    assert tables.live_deployment()["deployment_id"] == "base"  # the losing promotion moved nothing
+    assert live_deployment(tables)["deployment_id"] == "base"  # the losing promotion moved nothing
     assert canary_job.tags["prodrl/decision"] == "canary"  # instance.yaml runs these one at a time
     assert canary_job.tags["dagster/max_runtime"] == "900"  # a dead one cannot hold a promotion
 
@@ -159,7 +159,7 @@ def test_a_promotion_whose_run_died_after_its_claim_is_finished_by_the_next_run(
     instance, resources, tables = gate
     canary = _open(tables, 1)
     canaries.close(tables, canary, canaries.PROMOTING, canaries.BY_RULE, "promoted: the rule", {})
-    assert tables.live_deployment()["deployment_id"] == "base"  # its run is here, or died here
+    assert live_deployment(tables)["deployment_id"] == "base"  # its run is here, or died here
     deciding = create_run_for_test(instance, "canary_job", status=DagsterRunStatus.STARTED)  # by hand
     assert "is being promoted; canary_job run" in _tick(instance, resources).skip_message  # may finish
     deciding = instance.get_run_by_id(deciding.run_id)
@@ -170,7 +170,7 @@ def test_a_promotion_whose_run_died_after_its_claim_is_finished_by_the_next_run(
     config = request.run_config["ops"]["decide_canary"]["config"]
     (check,) = _run(instance, resources, **config)
     assert check.passed and check.description == "promoted: the rule"
-    assert tables.live_deployment()["deployment_id"] == "main-r000001"
+    assert live_deployment(tables)["deployment_id"] == "main-r000001"
     assert canaries.of_round(canaries.canaries(tables), "main-r000001")["status"] == canaries.PROMOTED
     again = canary_job.execute_in_process(  # a sensor's run for it, queued meanwhile, ends quietly
         {"ops": {"decide_canary": {"config": config}}},
@@ -190,14 +190,14 @@ def test_a_canary_queued_behind_a_promoted_one_is_judged_against_the_new_live_an
     assert queued["control_id"] == "base"
     tables.append("landing_feedback", [_feedback(t) for t in _canary_traffic(tables, first, 40)])
     (check,) = _run(instance, resources, round=1)
-    assert check.passed and tables.live_deployment()["deployment_id"] == "main-r000001"
+    assert check.passed and live_deployment(tables)["deployment_id"] == "main-r000001"
     active, _ = canaries.active(canaries.canaries(tables))
     assert (active["canary_id"], active["control_id"]) == (queued["canary_id"], "main-r000001")
     tids = _canary_traffic(tables, active, 40)  # the gateway serves the control arm from live
     tables.append("landing_feedback", [_feedback(t) for t in tids])
     (check,) = _run(instance, resources, round=2)
     assert check.passed and check.metadata["n_control"].value > 0
-    assert tables.live_deployment()["deployment_id"] == "main-r000002"
+    assert live_deployment(tables)["deployment_id"] == "main-r000002"
 
 
 def test_the_active_canary_follows_live_forward_only_whatever_moved_it(gate):
@@ -213,7 +213,7 @@ def test_the_active_canary_follows_live_forward_only_whatever_moved_it(gate):
     assert "waiting" in _tick(instance, resources).skip_message
     assert canaries.of_round(canaries.canaries(tables), "main-r000002")["control_id"] == "main-r000001"
 
-    tables.set_live("main-r000003")  # live moved past round 2 by other means (by hand)
+    set_live(tables, "main-r000003")  # live moved past round 2 by other means (by hand)
     assert _tick(instance, resources).skip_message == "no open canary"
     row = canaries.of_round(canaries.canaries(tables), "main-r000002")
     assert (row["status"], row["control_id"]) == (canaries.ROLLED_BACK, "main-r000001")
@@ -243,4 +243,4 @@ def test_a_candidate_exported_again_supersedes_its_open_canary_and_waits_for_a_p
     with pytest.raises(Failure, match="is being promoted .* decided already; canary_job with decision rule"):
         _run(instance, resources, round=1, decision="roll_back", operator="alice", reason="no")
     (check,) = _run(instance, resources, round=1)  # the rule finishes it
-    assert check.passed and tables.live_deployment()["deployment_id"] == "main-r000001"
+    assert check.passed and live_deployment(tables)["deployment_id"] == "main-r000001"

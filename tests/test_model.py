@@ -3,7 +3,7 @@ from dagster import instance_for_test, materialize
 
 from assets.base_model import base_model
 from prodrl_pipeline.model import TinyQwen3Config, build_model
-from prodrl_pipeline.records.registry import lookup
+from prodrl_pipeline.records.registry import live_deployment, lookup
 from resources.lab import LabResource
 from resources.store import StoreResource
 from tests.conftest import TINY
@@ -38,7 +38,7 @@ def test_base_model_from_an_hf_checkpoint(tiny_model, tokenizer, tmp_path):
     with instance_for_test() as instance:
         assert materialize([base_model], instance=instance, resources=resources).success
     tables = resources["store"].tables()
-    assert tables.live_deployment()["deployment_id"] == "base"
+    assert live_deployment(tables)["deployment_id"] == "base"
     assert lookup(tables, "checkpoints", "checkpoint_id", "base")["parent_id"] is None
     assert tables.read("eval_results", 0).num_rows == 4
     served = (tmp_path / "root" / "checkpoints" / "base" / "model.safetensors").exists()

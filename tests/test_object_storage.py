@@ -8,7 +8,7 @@ import pytest
 from dagster import AssetKey, instance_for_test
 
 from prodrl_pipeline.artifacts import Artifacts
-from prodrl_pipeline.records.registry import BASE, lookup
+from prodrl_pipeline.records.registry import BASE, live_deployment, lookup, move_live, set_live
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import META_FILE
 from resources.lab import LabResource
@@ -47,7 +47,7 @@ def test_a_round_runs_on_s3_and_postgres_with_torchrun_training(tmp_path, s3):
     tables = DeltaStore(f"s3://{BUCKET}/tables", storage_options=s3)
     assert tables.read("trajectories", 1).num_rows == TINY["steps"] * TINY["batch_size"]
     assert tables.read("train_steps", 1).num_rows == TINY["steps"]
-    assert tables.live_deployment()["deployment_id"] == "main-r000001"
+    assert live_deployment(tables)["deployment_id"] == "main-r000001"
     ckpt = lookup(tables, "checkpoints", "checkpoint_id", "main-r000001")
     dep = lookup(tables, "deployments", "deployment_id", "main-r000001")
     assert ckpt["path"].startswith(f"s3://{BUCKET}/artifacts/checkpoints/main/r000001/")
@@ -67,11 +67,11 @@ def test_a_round_runs_on_s3_and_postgres_with_torchrun_training(tmp_path, s3):
 
     def decide(live: dict) -> bool:  # another writer moves live back to base while this one decides
         if not moved_by_other:
-            moved_by_other.append(tables.set_live("base"))
+            moved_by_other.append(set_live(tables, "base"))
         return live["deployment_id"] == "main-r000001"
 
-    assert not tables.move_live("main-r000001", decide)  # the stale decision's commit was refused
-    assert tables.live_deployment()["deployment_id"] == "base"
+    assert not move_live(tables, "main-r000001", decide)  # the stale decision's commit was refused
+    assert live_deployment(tables)["deployment_id"] == "base"
 
 
 def test_artifacts_are_immutable_versions_readable_once_complete(tmp_path, s3):

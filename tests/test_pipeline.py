@@ -21,7 +21,7 @@ from assets.trajectories import trajectories
 from prodrl_pipeline.chat.render import load_tokenizer, render_ids
 from prodrl_pipeline.model import SIZES, TinyQwen3Config, build_model
 from prodrl_pipeline.quant.nvfp4 import load_deployment
-from prodrl_pipeline.records.registry import BASE, lookup, register_checkpoint
+from prodrl_pipeline.records.registry import BASE, live_deployment, lookup, register_checkpoint
 from prodrl_pipeline.rl.checkpoint import META_FILE
 from prodrl_pipeline.rl.recorded import RecordedCalls
 from prodrl_pipeline.rl.trainer import policy_logprobs
@@ -119,7 +119,7 @@ def test_two_rounds_end_to_end(tmp_path):
     tables = resources["store"].tables()
     with instance_for_test() as instance:
         assert materialize([base_model], instance=instance, resources=resources).success
-        assert tables.live_deployment()["deployment_id"] == "base"
+        assert live_deployment(tables)["deployment_id"] == "base"
         for k in (1, 2):
             instance.add_dynamic_partitions("rounds", [round_key(k)])
             result = materialize(
@@ -131,7 +131,7 @@ def test_two_rounds_end_to_end(tmp_path):
         assert set(tables.read("trajectories", 2).column("deployment_id").to_pylist()) == {"main-r000001"}
         assert lookup(tables, "checkpoints", "checkpoint_id", "main-r000002")["parent_id"] == "main-r000001"
         assert lookup(tables, "checkpoints", "checkpoint_id", "main-r000001")["parent_id"] == "base"
-        assert tables.live_deployment()["deployment_id"] == "main-r000002"
+        assert live_deployment(tables)["deployment_id"] == "main-r000002"
         # optimizer steps continue across rounds: one long run
         assert sorted(tables.read("train_steps").column("step").to_pylist()) == [1, 2, 3, 4]
         assert sorted(set(tables.read("eval_results").column("round").to_pylist())) == [0, 1, 2]
@@ -341,7 +341,7 @@ def test_a_failed_deploy_gate_keeps_the_live_pointer(tmp_path):
         ]
         (gate,) = [c for c in checks if c.check_name == "deploy_gate"]
         assert gate.check_name == "deploy_gate" and not gate.passed and "FAILS" in gate.description
-        assert tables.live_deployment()["deployment_id"] == "base"  # live stays
+        assert live_deployment(tables)["deployment_id"] == "base"  # live stays
         assert "main-r000001" in tables.read("deployments").column("deployment_id").to_pylist()  # registered
         materialized = {
             e.asset_key.path[-1] for e in result.all_events if e.event_type_value == "ASSET_MATERIALIZATION"
@@ -446,7 +446,7 @@ def test_a_round_trains_data_parallel_in_torchrun_processes_launched_through_pip
     assert saved["data_parallel"] == 2 and saved["parent_id"] == BASE and saved["step"] == 2
     steps = tables.read("train_steps", 1).to_pylist()
     assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["loss"]) for r in steps)
-    assert tables.live_deployment()["deployment_id"] == "main-r000001"  # the round went on to deploy
+    assert live_deployment(tables)["deployment_id"] == "main-r000001"  # the round went on to deploy
 
 
 def test_a_trainer_pod_needs_object_storage_and_gets_its_gpus(tmp_path):

@@ -8,6 +8,7 @@ from dagster import AssetKey, instance_for_test, materialize
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from assets.partitions import round_key
+from prodrl_pipeline.records.registry import live_deployment
 from tests.test_pipeline import ASSETS, ROUND, _resources, run_rounds
 
 
@@ -28,7 +29,7 @@ def test_replay_is_in_order_and_bit_identical_and_counterfactual_leaves_the_orig
     with instance_for_test() as instance:
         run_rounds(instance, resources, (1, 2, 3))
         original = _hashes(tmp_path, "main")
-        assert len(original) == 3 and tables.live_deployment()["deployment_id"] == "main-r000003"
+        assert len(original) == 3 and live_deployment(tables)["deployment_id"] == "main-r000003"
 
         # replay rounds 1..3 from the stored traffic in ONE run (single-run backfill policy)
         replay = materialize(
@@ -60,7 +61,7 @@ def test_replay_is_in_order_and_bit_identical_and_counterfactual_leaves_the_orig
         assert _hashes(tmp_path, "main") == original
         after = sorted(tables.read("checkpoints").to_pylist(), key=lambda r: r["checkpoint_id"])
         assert [r for r in after if r["experiment"] != "cf-tis"] == lineage
-        assert tables.live_deployment()["deployment_id"] == "main-r000003"
+        assert live_deployment(tables)["deployment_id"] == "main-r000003"
         chain = {r["checkpoint_id"]: r["parent_id"] for r in tables.read("checkpoints").to_pylist()}
         assert chain["cf-tis-r000002"] == "cf-tis-r000001" and chain["cf-tis-r000001"] == "base"
         assert set(_hashes(tmp_path, "cf-tis")) == {"r000001", "r000002", "r000003"}

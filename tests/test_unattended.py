@@ -39,7 +39,7 @@ from prodrl_pipeline.evals.heldout import evaluate
 from prodrl_pipeline.gateway.process import GatewayProcess
 from prodrl_pipeline.model import build_model
 from prodrl_pipeline.records import canaries
-from prodrl_pipeline.records.registry import lookup
+from prodrl_pipeline.records.registry import live_deployment, lookup
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.warmstart import solved_turns, warm_start
 from prodrl_pipeline.simulate import SimulationConfig, SimulationReport, simulate
@@ -219,7 +219,7 @@ def run_unattended(
         _wait_for_rounds(instance, rounds, t0 + timeout, daemon, settled, stop_round_sensor)
         simulator.join(timeout=120)
         assert "report" in result, "the simulator did not finish"
-        live = DeltaStore(store_root / "tables").live_deployment()["deployment_id"]
+        live = live_deployment(DeltaStore(store_root / "tables"))["deployment_id"]
         deadline = time.monotonic() + 60
         while gateway_health(gateway)["deployment_id"] != live:  # the gateway follows the last move too
             assert time.monotonic() < deadline, "the gateway did not follow the last live move"
@@ -341,7 +341,7 @@ def test_two_production_rounds_run_by_themselves_and_account_for_every_call(tmp_
     _print(run, "sync")
     served = [r["traffic served by"] for r in run.rows]
     assert served == ["base", "main-r000001"]  # live moved after round 1, the gateway followed
-    assert run.store.live_deployment()["deployment_id"] == "main-r000002"  # and after round 2
+    assert live_deployment(run.store)["deployment_id"] == "main-r000002"  # and after round 2
     with DagsterInstance.from_config(str(run.instance_home)) as instance:
         runs = instance.get_runs(RunsFilter(job_name="round_job"))
         assert sorted(r.tags["dagster/partition"] for r in runs) == ["r000001", "r000002"]
@@ -374,7 +374,7 @@ def test_a_longer_unattended_async_run_raises_the_heldout_rate_on_simulated_traf
     _print(run, "async1")
     lag = max(r["policy_lag_steps"] for r in run.store.read("train_steps").to_pylist())
     assert lag >= steps  # some round trained on traffic of the deployment two rounds back
-    live = run.store.live_deployment()["deployment_id"]
+    live = live_deployment(run.store)["deployment_id"]
     gain = paired_difference(_solved(run.store, live), _solved(run.store, "base"))
     print(
         f"  live {live} vs base: {gain.rate:.3f} vs {gain.baseline_rate:.3f} "

@@ -33,7 +33,7 @@ from prodrl_pipeline.gateway.serving import GatewayConfig, Serving, expire_unsco
 from prodrl_pipeline.gateway.sessions import SessionIndex
 from prodrl_pipeline.model import pad_id
 from prodrl_pipeline.quant.nvfp4 import load_deployment
-from prodrl_pipeline.records.registry import export_of, lookup
+from prodrl_pipeline.records.registry import export_of, live_deployment, lookup
 from prodrl_pipeline.records.store import DeltaStore
 
 
@@ -113,7 +113,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     artifacts = Artifacts(args.root, options, Path(args.root) / "cache")
     if args.deployment:
         deployment = lookup(store, "deployments", "deployment_id", args.deployment)
-    elif (deployment := store.live_deployment()) is None:
+    elif (deployment := live_deployment(store)) is None:
         raise SystemExit(
             f"no live deployment under {args.root}: run `make demo` (or name one with --deployment)"
         )

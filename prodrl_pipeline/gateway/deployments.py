@@ -34,7 +34,7 @@ from prodrl_pipeline.engine.processing import SamplingParams
 from prodrl_pipeline.engine.rows import Request
 from prodrl_pipeline.gateway.batcher import BatchingEngine
 from prodrl_pipeline.records import canaries
-from prodrl_pipeline.records.registry import export_of, lookup
+from prodrl_pipeline.records.registry import export_of, live_deployment, lookup
 from prodrl_pipeline.records.store import DeltaStore
 
 log = logging.getLogger("prodrl.gateway")
@@ -271,7 +271,7 @@ class LiveFollower:
         return switched
 
     def _follow_live(self, now: float) -> str | None:
-        live = self.store.live_deployment()
+        live = live_deployment(self.store)
         current = self.deployments.current
         wanted = None if live is None else (live["deployment_id"], export_of(live))
         if wanted is None or wanted == (current.deployment_id, current.export):

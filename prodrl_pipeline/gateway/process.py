@@ -14,7 +14,7 @@ import httpx
 from transformers import PreTrainedModel
 
 from prodrl_pipeline.quant.nvfp4 import export_deployment
-from prodrl_pipeline.records.registry import register_deployment
+from prodrl_pipeline.records.registry import register_deployment, set_live
 from prodrl_pipeline.records.store import DeltaStore
 
 
@@ -89,5 +89,5 @@ def live_root(root: Path, model: PreTrainedModel, quant_format: str = "nvfp4") -
         quant_format=quant_format,
         sampling_json="{}",
     )
-    store.set_live("base")
+    set_live(store, "base")
     return root

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 
 from prodrl_pipeline.evals.canary import CanaryConfig, Verdict, judge
 from prodrl_pipeline.records.queries import run_sql
+from prodrl_pipeline.records.registry import live_deployment, move_live
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rounds import goes_live
 
@@ -129,7 +130,7 @@ def sync(store: DeltaStore) -> list[dict]:
     back, saying why. Returns the registry's rows after."""
     rows = canaries(store)
     found = active(rows)
-    live_row = store.live_deployment()
+    live_row = live_deployment(store)
     if found is None or found[0]["status"] != OPEN or live_row is None:
         return rows
     row, live = found[0], live_row["deployment_id"]
@@ -261,8 +262,8 @@ def finish(store: DeltaStore, row: dict) -> dict:
         live=now,
     )
     finished = {**row, "status": PROMOTED}
-    if not store.move_live(row["deployment_id"], allowed):
-        live = (store.live_deployment() or {}).get("deployment_id")
+    if not move_live(store, row["deployment_id"], allowed):
+        live = (live_deployment(store) or {}).get("deployment_id")
         reason = f"{row['reason']}; not promoted: live is {live}, no longer {row['control_id']}"
         finished = {**row, "status": ROLLED_BACK, "reason": reason}
     if not store.update_if(

@@ -3,7 +3,12 @@ the deployments registry (with the explicit `live` pointer only the deployment a
 
 from __future__ import annotations
 
+import random
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
+
+from deltalake.exceptions import CommitFailedError
 
 from prodrl_pipeline.records.store import SAFE_ID, DeltaStore
 
@@ -49,9 +54,9 @@ def register_deployment(
     quant_format: str,
     sampling_json: str,
 ) -> None:
-    """Add (or replace) a deployment. A new one is not live until `store.set_live` says so; a
+    """Add (or replace) a deployment. A new one is not live until `set_live` says so; a
     replaced one keeps its live flag (re-registering in a replay never drops the live pointer)."""
-    live = store.live_deployment()
+    live = live_deployment(store)
     row = {
         "deployment_id": deployment_id,
         "round": round_,
@@ -85,3 +90,45 @@ def lookup(store: DeltaStore, table: str, key: str, value: str) -> dict:
     if not rows:
         raise KeyError(f"{table}: no row with {key} = {value!r}; has it been materialized?")
     return rows[0]
+
+
+def set_live(store: DeltaStore, deployment_id: str) -> None:
+    """Move the live pointer: one atomic commit flips `live` on the deployments registry."""
+    move_live(store, deployment_id, lambda _: True)
+
+
+def move_live(
+    store: DeltaStore, deployment_id: str, allowed: Callable[[dict | None], bool], attempts: int = 5
+) -> bool:
+    """Compare-and-set of the live pointer: read the registry, and move live to `deployment_id`
+    only if `allowed(the live row read)`, in a commit that fails when the registry changed since
+    the read (then read and decide again). Returns whether live moved."""
+    if not SAFE_ID.fullmatch(deployment_id):
+        raise ValueError(f"deployment id {deployment_id!r} must match {SAFE_ID.pattern}")
+    for attempt in range(attempts):
+        dt = store.table("deployments")
+        rows = store.read("deployments", version=dt.version()).to_pylist()
+        if deployment_id not in {r["deployment_id"] for r in rows}:
+            raise KeyError(f"deployment {deployment_id!r} is not registered")
+        if not allowed(_live_of(rows)):
+            return False
+        try:
+            store.update(
+                "deployments", dt, {"live": f"deployment_id = '{deployment_id}'"}, {"live": deployment_id}
+            )
+            return True
+        except CommitFailedError:  # another writer committed since the read
+            time.sleep(random.uniform(0, 0.02 * 2**attempt))
+    raise RuntimeError(f"the deployments registry kept changing; live not moved to {deployment_id}")
+
+
+def live_deployment(store: DeltaStore) -> dict | None:
+    """The deployments row marked live (None before the first deployment goes live)."""
+    return _live_of(store.read("deployments").to_pylist())
+
+
+def _live_of(rows: list[dict]) -> dict | None:
+    live = [r for r in rows if r["live"]]
+    if len(live) > 1:
+        raise RuntimeError(f"{len(live)} deployments are marked live; expected one")
+    return live[0] if live else None

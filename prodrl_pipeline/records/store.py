@@ -19,7 +19,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote
@@ -446,44 +446,15 @@ class DeltaStore:
                 time.sleep(random.uniform(0, 0.02 * 2**attempt))
         raise RuntimeError(f"table {table!r} kept changing; {key} = {row[key]!r} not updated")
 
-    def set_live(self, deployment_id: str) -> None:
-        """Move the live pointer: one atomic commit flips `live` on the deployments registry."""
-        self.move_live(deployment_id, lambda _: True)
-
-    def move_live(
-        self, deployment_id: str, allowed: Callable[[dict | None], bool], attempts: int = 5
-    ) -> bool:
-        """Compare-and-set of the live pointer: read the registry, and move live to `deployment_id`
-        only if `allowed(the live row read)`, in a commit that fails when the registry changed since
-        the read (then read and decide again). Returns whether live moved."""
-        if not SAFE_ID.fullmatch(deployment_id):
-            raise ValueError(f"deployment id {deployment_id!r} must match {SAFE_ID.pattern}")
-        for attempt in range(attempts):
-            dt = self.table("deployments")
-            rows = self.read("deployments", version=dt.version()).to_pylist()
-            if deployment_id not in {r["deployment_id"] for r in rows}:
-                raise KeyError(f"deployment {deployment_id!r} is not registered")
-            if not allowed(self._live_of(rows)):
-                return False
-            try:
-                dt.update(
-                    updates={"live": f"deployment_id = '{deployment_id}'"},
-                    commit_properties=self._commit({"live": deployment_id}),
-                    post_commithook_properties=NO_HOOKS,
-                )
-                self._checkpoint("deployments", dt, dt.version())
-                self._seen(self.versions_written, "deployments", dt.version())
-                return True
-            except CommitFailedError:  # another writer committed since the read
-                time.sleep(random.uniform(0, 0.02 * 2**attempt))
-        raise RuntimeError(f"the deployments registry kept changing; live not moved to {deployment_id}")
-
-    @staticmethod
-    def _live_of(rows: list[dict]) -> dict | None:
-        live = [r for r in rows if r["live"]]
-        if len(live) > 1:
-            raise RuntimeError(f"{len(live)} deployments are marked live; expected one")
-        return live[0] if live else None
-
-    def live_deployment(self) -> dict | None:
-        return self._live_of(self.read("deployments").to_pylist())
+    def update(self, table: str, dt: DeltaTable, updates: Mapping[str, str], note: Mapping[str, str]) -> None:
+        """Set `updates` (column: SQL expression over the row) on every row of `dt`, `table` as
+        this store opened it with `table()`, in one commit noted with `note`. The commit raises
+        CommitFailedError when another writer committed since `dt`'s version: a compare-and-set
+        of the whole table against what was read at that version."""
+        dt.update(
+            updates=dict(updates),
+            commit_properties=self._commit(note),
+            post_commithook_properties=NO_HOOKS,
+        )
+        self._checkpoint(table, dt, dt.version())
+        self._seen(self.versions_written, table, dt.version())

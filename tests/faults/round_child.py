@@ -24,27 +24,18 @@ CHILD_LAB = {"steps": 3, "resume_every": 1}
 
 
 def _die_after(commit: str) -> None:
-    """Patch the store so that the process is SIGKILLed right after `commit` lands."""
-    die = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    if commit == "live":
-        move_live = DeltaStore.move_live
+    """Patch the store so that the process is SIGKILLed right after `commit` lands: an overwrite
+    of that table, or for `live` the registry's compare-and-set update of `deployments`."""
+    method, table = ("update", "deployments") if commit == "live" else ("overwrite", commit)
+    original = getattr(DeltaStore, method)
 
-        def moved(self, *args, **kwargs):  # noqa: ANN001, ANN202
-            if move_live(self, *args, **kwargs):
-                die()
-            return False
+    def committed(self, name, *args, **kwargs):  # noqa: ANN001, ANN202
+        out = original(self, name, *args, **kwargs)
+        if name == table:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
 
-        DeltaStore.move_live = moved
-        return
-    overwrite = DeltaStore.overwrite
-
-    def overwritten(self, table, *args, **kwargs):  # noqa: ANN001, ANN202
-        n = overwrite(self, table, *args, **kwargs)
-        if table == commit:
-            die()
-        return n
-
-    DeltaStore.overwrite = overwritten
+    setattr(DeltaStore, method, committed)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from assets.partitions import round_key
 from prodrl_pipeline.locks import holder, holding
+from prodrl_pipeline.records.registry import live_deployment
 from prodrl_pipeline.records.store import DeltaStore
 from tests.faults.test_round_faults import _base, _child, _instance, _invariants, _round, _run_to_end
 
@@ -49,7 +50,7 @@ def test_a_round_another_run_is_writing_fails_at_once_naming_it_and_runs_once_it
         tables = DeltaStore(root / "tables")
         assert tables.read("calls", 1).num_rows == 0 and tables.read("trajectories", 1).num_rows == 0
         assert _round(instance, root, 1).success  # the failed run let nothing stay held
-    assert tables.live_deployment()["deployment_id"] in ("base", "main-r000001")
+    assert live_deployment(tables)["deployment_id"] in ("base", "main-r000001")
 
 
 def test_two_runs_of_one_round_started_together_end_as_one_uninterrupted_run(tmp_path):
@@ -91,4 +92,4 @@ def test_a_replay_backfill_beside_the_live_round_leaves_both_as_if_run_one_after
         assert child.stdout.readline().strip() == "ready"
     assert (live.wait(timeout=600), replay.wait(timeout=600)) == (0, 0), _outcomes(home)
     assert _invariants(root, reference, rounds=(1, 2, 3)) == {"lost": 0, "duplicated": 0}
-    assert DeltaStore(root / "tables").live_deployment()["deployment_id"] == "main-r000003"
+    assert live_deployment(DeltaStore(root / "tables"))["deployment_id"] == "main-r000003"

@@ -27,7 +27,7 @@ from dagster import DagsterInstance, ExecuteInProcessResult, materialize
 from assets.base_model import base_model
 from assets.partitions import round_key
 from prodrl_pipeline.quant.nvfp4 import load_deployment
-from prodrl_pipeline.records.registry import round_id
+from prodrl_pipeline.records.registry import live_deployment, round_id
 from prodrl_pipeline.records.store import DeltaStore
 from prodrl_pipeline.rl.checkpoint import META_FILE, load_checkpoint
 from tests.faults.round_child import CHILD_LAB
@@ -204,7 +204,7 @@ def _left_behind(tables: DeltaStore, last: int) -> int:
         load_checkpoint(row["path"])  # a registered checkpoint is complete
     for row in tables.read("deployments").to_pylist():
         load_deployment(row["path"])
-    assert tables.live_deployment()["deployment_id"] in (round_id("main", last - 1), round_id("main", last))
+    assert live_deployment(tables)["deployment_id"] in (round_id("main", last - 1), round_id("main", last))
     return duplicated
 
 
@@ -263,7 +263,7 @@ def test_a_round_killed_inside_each_stage_and_re_run_loses_and_doubles_nothing(t
     _run_to_end(root, home)
     lost = _invariants(root, reference)
     assert lost == {"lost": 0, "duplicated": 0}
-    assert DeltaStore(root / "tables").live_deployment()["deployment_id"] == "main-r000001"
+    assert live_deployment(DeltaStore(root / "tables"))["deployment_id"] == "main-r000001"
     root, home = tmp_path / "root-resume", tmp_path / "home-resume"  # aimed: training after a save
     shutil.copytree(template, root)
     shutil.copytree(home_template, home)

@@ -10,6 +10,7 @@ from assets.canary import canary_job, canary_sensor
 from prodrl_pipeline.evals.canary import CanaryConfig
 from prodrl_pipeline.gateway.deployments import candidate_arm
 from prodrl_pipeline.records import canaries
+from prodrl_pipeline.records.registry import live_deployment
 from prodrl_pipeline.records.snapshot import count_available
 from prodrl_pipeline.records.store import DeltaStore
 from tests.gateway.conftest import FEEDBACK_KEY, Gateway, make_root
@@ -88,7 +89,7 @@ def test_a_worse_candidate_is_rolled_back_and_an_equal_one_promoted(tmp_path, to
             n_candidate = sum(d == "main-r000001" for d in served.values())
             assert (meta["n_candidate"], meta["n_control"]) == (n_candidate, TRAJECTORIES - n_candidate)
             assert meta["lower_bound"] < -GATE.margin and meta["decided_by"] == canaries.BY_RULE
-            assert store.live_deployment()["deployment_id"] == "base" and meta["live_now"] == "base"
+            assert live_deployment(store)["deployment_id"] == "base" and meta["live_now"] == "base"
             calls = store.read("landing_calls").to_pylist()
             assert len(calls) == 2 * TRAJECTORIES  # nothing lost: both arms' calls stay recorded
             for c in calls:  # with the arm that served them
@@ -109,7 +110,7 @@ def test_a_worse_candidate_is_rolled_back_and_an_equal_one_promoted(tmp_path, to
             check = _decide(instance, resources)
             assert check.passed and check.description.startswith("promoted: candidate")
             assert abs(check.metadata["diff"].value) <= 0.2
-            assert store.live_deployment()["deployment_id"] == "main-r000002"
+            assert live_deployment(store)["deployment_id"] == "main-r000002"
             _until(lambda: _health(gw.url)["deployment_id"] == "main-r000002", "the gateway follows live")
             assert _health(gw.url)["canary"] is None
             candidate_arm_trajectories = sum(d == "main-r000002" for d in served.values())

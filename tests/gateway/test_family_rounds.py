@@ -11,6 +11,7 @@ from dagster import instance_for_test, materialize
 from assets.base_model import base_model
 from assets.partitions import round_key
 from prodrl_pipeline.chat.harmony import HarmonyChat
+from prodrl_pipeline.records.registry import live_deployment
 from prodrl_pipeline.records.store import DeltaStore
 from resources.lab import CanarySettings
 from tests.families import FAMILIES, WEATHER, family_tokenizer
@@ -75,7 +76,7 @@ def test_a_production_round_deploys_and_the_gateway_follows_it(family, tmp_path)
                 ASSETS, selection=ROUND, partition_key=round_key(1), instance=instance, resources=resources
             )
             assert result.success
-            new = store.live_deployment()["deployment_id"]
+            new = live_deployment(store)["deployment_id"]
             assert new == "main-r000001"
             _until(lambda: _health(gw.url)["deployment_id"] == new, f"the gateway follows {new}", timeout=120)
             assert chat("after")["model"] == new

@@ -16,7 +16,7 @@ from prodrl_pipeline.gateway.serving import GatewayConfig, Serving
 from prodrl_pipeline.gateway.sessions import SessionIndex
 from prodrl_pipeline.model import build_model
 from prodrl_pipeline.quant.nvfp4 import export_deployment
-from prodrl_pipeline.records.registry import export_of, register_deployment
+from prodrl_pipeline.records.registry import export_of, live_deployment, register_deployment, set_live
 from prodrl_pipeline.records.store import DeltaStore
 from tests.conftest import TINY
 from tests.gateway.conftest import SERVE_KEY, Gateway, make_root
@@ -52,19 +52,19 @@ def test_the_follower_loads_beside_switches_drains_and_survives_a_failed_load(tm
     root = make_root(tmp_path, tokenizer)
     store = DeltaStore(root / "tables")
     load = embedded_loader(parser().parse_args([]), tokenizer, Artifacts(str(root)))
-    deployments = Deployments(load(store.live_deployment()), drain_seconds=10)
+    deployments = Deployments(load(live_deployment(store)), drain_seconds=10)
     follower = LiveFollower(store, deployments, load, retry_seconds=30)
     try:
         t0 = time.monotonic()
         assert follower.check(t0) is None  # live is what it serves
         _register(root, tokenizer, "r1", seed=11)
         assert follower.check(t0) is None  # registered is not live
-        store.set_live("r1")
+        set_live(store, "r1")
         assert follower.check(t0) == "r1"
         assert deployments.ids() == ["r1", "base"] and deployments.draining() == ["base"]
-        store.set_live("base")  # rolled back before base was closed: served again, not reloaded
+        set_live(store, "base")  # rolled back before base was closed: served again, not reloaded
         assert follower.check(t0) == "base" and deployments.ids() == ["base", "r1"]
-        store.set_live("r1")
+        set_live(store, "r1")
         assert follower.check(t0) == "r1" and deployments.ids() == ["r1", "base"]
         t1 = time.monotonic()  # base drains from its last switch (loads before it take real time)
         assert deployments.switches == 3 and deployments.load_failures == 0
@@ -86,14 +86,14 @@ def test_the_follower_loads_beside_switches_drains_and_survives_a_failed_load(tm
         assert deployments.acquire(None, pinned="base").loaded.deployment_id == "r1"  # base is gone
 
         _register(root, tokenizer, "broken", seed=12, broken=True)
-        store.set_live("broken")
+        set_live(store, "broken")
         assert follower.check(t0 + 12) is None
         assert deployments.current.deployment_id == "r1" and deployments.load_failures == 1
         assert "broken" in deployments.last_error
-        store.set_live("broken")  # the registry moves (same target): not retried before the retry time
+        set_live(store, "broken")  # the registry moves (same target): not retried before the retry time
         assert follower.check(t0 + 13) is None and deployments.load_failures == 1
         assert follower.check(t0 + 43) is None and deployments.load_failures == 2
-        store.set_live("r1")  # the operator rolls live back: nothing to load
+        set_live(store, "r1")  # the operator rolls live back: nothing to load
         assert follower.check(t0 + 44) is None and deployments.load_failures == 2
         assert deployments.last_error is None  # the failure no longer matters
     finally:
@@ -109,15 +109,15 @@ def test_the_follower_reloads_the_live_deployment_when_it_is_re_exported(tmp_pat
     store = DeltaStore(root / "tables")
     load = embedded_loader(parser().parse_args([]), tokenizer, Artifacts(str(root)))
     _register(root, tokenizer, "r1", seed=11)
-    store.set_live("r1")
-    deployments = Deployments(load(store.live_deployment()), drain_seconds=10)
+    set_live(store, "r1")
+    deployments = Deployments(load(live_deployment(store)), drain_seconds=10)
     follower = LiveFollower(store, deployments, load)
     try:
         first = deployments.current
         assert follower.check() is None  # what it serves is live
-        before = store.live_deployment()
+        before = live_deployment(store)
         _register(root, tokenizer, "r1", seed=12)  # the round re-run: same id and folder, live kept
-        live = store.live_deployment()
+        live = live_deployment(store)
         assert live["deployment_id"] == "r1" and live["path"] == before["path"]
         assert weight_label(live) != weight_label(before)
         assert follower.check() == "r1"
@@ -174,7 +174,7 @@ def test_the_gateway_follows_live_without_dropping_or_misattributing_a_call(tmp_
         _register(root, tokenizer, "r1", seed=11)
         with ThreadPoolExecutor(8) as pool:  # calls in flight while the live pointer moves
             futures = [pool.submit(call, f"busy{i}", max_tokens=32) for i in range(16)]
-            store.set_live("r1")
+            set_live(store, "r1")
             during = [f.result() for f in futures]
         assert set(during) <= {"base", "r1"}
         _until(lambda: _health(gw.url)["deployment_id"] == "r1", "switch to r1")
@@ -188,7 +188,7 @@ def test_the_gateway_follows_live_without_dropping_or_misattributing_a_call(tmp_
         assert "prodrl_gateway_deployment_switches_total 1" in metrics
 
         _register(root, tokenizer, "broken", seed=12, broken=True)
-        store.set_live("broken")
+        set_live(store, "broken")
         error = _until(lambda: _health(gw.url)["follow_error"], "the failed load is reported")
         assert "broken" in error
         assert call("after") == "r1"  # still serving

@@ -10,6 +10,7 @@ from assets.base_model import base_model
 from assets.partitions import round_key
 from prodrl_pipeline.evals.gate import NO_EVALUATION
 from prodrl_pipeline.records import canaries
+from prodrl_pipeline.records.registry import live_deployment
 from prodrl_pipeline.records.store import DeltaStore
 from tests.gateway.conftest import FEEDBACK_KEY, SERVE_KEY, Gateway
 from tests.test_pipeline import ASSETS, ROUND, _resources, user_checkpoint
@@ -141,5 +142,5 @@ def test_a_round_trains_on_recorded_production_traffic(tmp_path, monkeypatch):
             AssetKey("trajectories")
         ).asset_materialization.metadata
         assert {t: meta[f"{t}_version"].value for t in pinned} == pinned
-        assert tables.live_deployment()["deployment_id"] == "base"  # until the canary is promoted
+        assert live_deployment(tables)["deployment_id"] == "base"  # until the canary is promoted
         assert canaries.of_round(canaries.canaries(tables), "main-r000001")["status"] == canaries.OPEN

@@ -39,6 +39,7 @@ from prodrl_pipeline.gateway.serving import (
     id_headers,
 )
 from prodrl_pipeline.gateway.sessions import SessionIndex
+from prodrl_pipeline.records.registry import live_deployment
 from prodrl_pipeline.records.store import DeltaStore
 from tests.gateway.conftest import make_root
 
@@ -319,7 +320,7 @@ def _serving(root: Path, tokenizer, spool: Path, engine: str = "embedded", vllm_
     store = DeltaStore(root / "tables")
     if engine == "embedded":
         loaded = embedded_loader(parser().parse_args([]), tokenizer, Artifacts(str(root)))(
-            store.live_deployment()
+            live_deployment(store)
         )
     else:
         reply = [*tokenizer.encode("e4 e5", add_special_tokens=False), tokenizer.eos_token_id]

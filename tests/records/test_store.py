@@ -5,7 +5,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from prodrl_pipeline.records.registry import register_deployment
+from prodrl_pipeline.records.registry import live_deployment, move_live, register_deployment, set_live
 from prodrl_pipeline.records.store import TABLE_PROPERTIES, DeltaStore
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
@@ -108,32 +108,32 @@ def test_live_pointer_is_unique(tmp_path):
             quant_format="nvfp4",
             sampling_json="{}",
         )
-    assert store.live_deployment() is None
-    store.set_live("base")
-    store.set_live("main-r000001")
-    assert store.live_deployment()["deployment_id"] == "main-r000001"
+    assert live_deployment(store) is None
+    set_live(store, "base")
+    set_live(store, "main-r000001")
+    assert live_deployment(store)["deployment_id"] == "main-r000001"
     assert sum(r["live"] for r in store.read("deployments").to_pylist()) == 1
     with pytest.raises(KeyError):
-        store.set_live("nope")
+        set_live(store, "nope")
     with pytest.raises(ValueError):
-        store.set_live("x' OR 1=1 --")
+        set_live(store, "x' OR 1=1 --")
 
 
 def test_moving_live_decides_on_the_row_read_and_retries_when_another_writer_moved_it(tmp_path):
     store = DeltaStore(tmp_path)
     _register(store, "base", "main-r000001", "main-r000002")
-    store.set_live("base")
+    set_live(store, "base")
     seen = []
 
     def round_1_may_go_live(live: dict) -> bool:
         seen.append(live["deployment_id"])
         if len(seen) == 1:  # round 2 goes live while round 1 decides: round 1's commit must not land
-            store.set_live("main-r000002")
+            set_live(store, "main-r000002")
         return live["round"] < 1
 
-    assert not store.move_live("main-r000001", round_1_may_go_live)
+    assert not move_live(store, "main-r000001", round_1_may_go_live)
     assert seen == ["base", "main-r000002"]  # decided again on the newer live row
-    assert store.live_deployment()["deployment_id"] == "main-r000002"  # never moved backwards
+    assert live_deployment(store)["deployment_id"] == "main-r000002"  # never moved backwards
 
 
 def test_tables_written_by_an_older_schema_still_read_and_take_new_columns(tmp_path):
@@ -225,7 +225,7 @@ def test_registry_ids_rows_lineage_and_lookup(tmp_path):
         )
 
     deploy("base", 0, "/d0", "nvfp4")
-    store.set_live("base")
+    set_live(store, "base")
     deploy("exp-r000001", 1, "/d1", "bf16")
     row = lookup(store, "deployments", "deployment_id", "exp-r000001")
     assert row["live"] is False  # a new deployment is not live until set_live
@@ -238,9 +238,9 @@ def test_registry_ids_rows_lineage_and_lookup(tmp_path):
     }
     # re-registering the live deployment keeps it live; re-registering another keeps it not live
     deploy("base", 0, "/d0b", "nvfp4")
-    assert store.live_deployment()["path"] == "/d0b"
+    assert live_deployment(store)["path"] == "/d0b"
     deploy("exp-r000001", 1, "/d1", "bf16")
-    assert store.live_deployment()["deployment_id"] == "base" and store.read("deployments").num_rows == 2
+    assert live_deployment(store)["deployment_id"] == "base" and store.read("deployments").num_rows == 2
 
 
 def test_registry_rows_are_stamped_in_utc_whatever_the_machine_s_zone(tmp_path, monkeypatch):

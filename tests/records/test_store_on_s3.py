@@ -4,6 +4,7 @@ through the store's storage options, a kept snapshot catches up with another wri
 
 import pytest
 
+from prodrl_pipeline.records.registry import live_deployment, set_live
 from prodrl_pipeline.records.store import DeltaStore
 from tests.records.test_store import _call, _register
 from tests.s3 import BUCKET, s3_server
@@ -42,7 +43,5 @@ def test_the_store_reads_writes_overwrites_and_queries_tables_in_a_bucket(s3):
 def test_the_live_pointer_moves_in_a_bucket(s3):
     store = DeltaStore(f"s3://{BUCKET}/registry", storage_options=s3)
     _register(store, "base", "r1")
-    store.set_live("r1")
-    assert (
-        DeltaStore(f"s3://{BUCKET}/registry", storage_options=s3).live_deployment()["deployment_id"] == "r1"
-    )
+    set_live(store, "r1")
+    assert live_deployment(DeltaStore(f"s3://{BUCKET}/registry", storage_options=s3))["deployment_id"] == "r1"

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from prodrl_pipeline.records.registry import live_deployment, move_live, set_live
 from prodrl_pipeline.records.store import DeltaStore, StorageError
 from tests.records.test_store import _register, _reject
 
@@ -15,9 +16,9 @@ NOW = datetime(2026, 12, 1, tzinfo=UTC)
 def test_moving_live_answers_whether_it_moved_and_its_commit_carries_the_metadata(tmp_path):
     store = DeltaStore(tmp_path, commit_metadata={"dagster_run_id": "run-7"}, lineage=True)
     _register(store, "base", "r1")
-    assert store.move_live("base", lambda live: live is None) is True
-    assert store.move_live("r1", lambda live: live is None) is False  # base is live now
-    assert store.live_deployment()["deployment_id"] == "base"
+    assert move_live(store, "base", lambda live: live is None) is True
+    assert move_live(store, "r1", lambda live: live is None) is False  # base is live now
+    assert live_deployment(store)["deployment_id"] == "base"
     version = store.table("deployments").version()
     assert store.versions_written["deployments"] == {0, 1, version}  # two registrations, one move
     last = store.table("deployments").history(1)[0]
@@ -31,11 +32,11 @@ def test_a_registry_that_keeps_changing_is_tried_five_times_then_named_in_the_er
 
     def another_writer_moves_first(live) -> bool:
         tries.append(live)
-        other.set_live("base" if len(tries) % 2 else "r1")  # every decision is made stale
+        set_live(other, "base" if len(tries) % 2 else "r1")  # every decision is made stale
         return True
 
     with pytest.raises(RuntimeError) as failed:
-        store.move_live("r1", another_writer_moves_first)
+        move_live(store, "r1", another_writer_moves_first)
     assert str(failed.value) == "the deployments registry kept changing; live not moved to r1"
     assert len(tries) == 5
 
@@ -44,15 +45,15 @@ def test_moving_live_refuses_an_unsafe_or_unknown_id_and_two_live_rows_by_messag
     store = DeltaStore(tmp_path)
     _register(store, "base")
     with pytest.raises(ValueError) as unsafe:
-        store.set_live("x' OR 1=1 --")
+        set_live(store, "x' OR 1=1 --")
     assert str(unsafe.value) == 'deployment id "x\' OR 1=1 --" must match [A-Za-z0-9_.:-]+'
     with pytest.raises(KeyError) as unknown:
-        store.set_live("nope")
+        set_live(store, "nope")
     assert unknown.value.args == ("deployment 'nope' is not registered",)
     rows = store.read("deployments").to_pylist()
     store.append("deployments", [{**rows[0], "deployment_id": d, "live": True} for d in ("a", "b")])
     with pytest.raises(RuntimeError) as two:
-        store.live_deployment()
+        live_deployment(store)
     assert str(two.value) == "2 deployments are marked live; expected one"
 
 
@@ -60,18 +61,18 @@ def test_moving_live_takes_a_log_checkpoint_at_each_tenth_version(tmp_path, capl
     store = DeltaStore(tmp_path)
     _register(store, "base", "r1")  # versions 0 and 1
     for k in range(8):  # versions 2 to 9
-        store.set_live(("base", "r1")[k % 2])
+        set_live(store, ("base", "r1")[k % 2])
     log = tmp_path / "deployments" / "_delta_log"
     (log / "00000000000000000010.checkpoint.parquet").mkdir()  # version 10's checkpoint cannot be written
-    store.set_live("base")
+    set_live(store, "base")
     assert "table 'deployments': the log checkpoint at version 10 failed" in caplog.text
     (log / "00000000000000000010.checkpoint.parquet").rmdir()
     for k in range(10):  # versions 11 to 20
-        store.set_live(("r1", "base")[k % 2])
+        set_live(store, ("r1", "base")[k % 2])
     assert sorted(p.name for p in log.glob("*.checkpoint.parquet")) == [
         "00000000000000000020.checkpoint.parquet"
     ]
-    assert store.live_deployment()["deployment_id"] == "base"
+    assert live_deployment(store)["deployment_id"] == "base"
 
 
 def test_maintenance_compacts_vacuums_the_replaced_files_and_reports_what_it_did(tmp_path):
@@ -146,7 +147,7 @@ def test_moving_live_on_a_registry_made_before_the_store_s_properties_deletes_no
     for commit in log.glob("*.json"):
         os.utime(commit, (sixty_days_ago, sixty_days_ago))
     store = DeltaStore(tmp_path)
-    store.set_live("r1")
+    set_live(store, "r1")
     assert sorted(p.name for p in log.glob("*.json")) == [f"{v:020d}.json" for v in range(3)]
     assert store.read("deployments", version=0).to_pylist()[0]["deployment_id"] == "base"
 
