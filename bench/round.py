@@ -1,8 +1,9 @@
 """Where a lab round's time goes, and what Dagster adds to it.
 
-A round of the embedded lab (the default `LabResource`: S = 16 steps of B = 64 trajectories, the
-held-out evaluation, NVFP4 export) runs through `dagster.materialize` in process on a fresh store,
-after its base model. Timers wrap, without changing them, the calls that do a round's work:
+A round of the embedded lab (`LabResource` in `--mode`, default structured: S = 16 steps of B = 64
+trajectories, the held-out evaluation, NVFP4 export) runs through `dagster.materialize` in process
+on a fresh store, after its base model (warm-started, or `--base`, a saved one). Timers wrap,
+without changing them, the calls that do a round's work:
 - engine: `TorchEngine.generate` (collection and the held-out evaluation);
 - trainer: `train_round` (the optimizer steps) and `policy_logprobs` (the round's pi_k pass);
 - export: the NVFP4 export of the deployment;
@@ -112,7 +113,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=16, help="S")
     parser.add_argument("--batch", type=int, default=64, help="B")
     parser.add_argument("--eval-puzzles", type=int, default=0, help="held-out puzzles (0 = all)")
-    parser.add_argument("--warm-start-steps", type=int, default=40, help="the base model's (not timed)")
+    parser.add_argument(
+        "--warm-start-steps", type=int, help="the base model's (not timed; default: the mode's)"
+    )
     parser.add_argument(
         "--mode", choices=["structured", "free_text"], default="structured", help="the lab's mode"
     )
@@ -154,6 +157,8 @@ def timers() -> Iterator[dict[str, float]]:
 
 def measure(args: argparse.Namespace) -> list[Ratio]:
     shares, tables, dagster, lines = [], [], [], []
+    if args.base and args.warm_start_steps is not None:
+        raise SystemExit("--base starts from a saved model: --warm-start-steps does not apply")
     with tempfile.TemporaryDirectory() as root, instance_for_test() as instance:
         lab = LabResource(
             mode=args.mode,
@@ -163,6 +168,8 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             warm_start_steps=args.warm_start_steps,
             base_checkpoint=args.base or "",
         )
+        if args.base and len(lab.tokenizer()) != len(LabResource(mode=args.mode).tokenizer()):
+            raise SystemExit(f"{args.base} has another vocabulary than --mode {args.mode}'s tokenizer")
         resources = {"store": StoreResource(root=root), "lab": lab}
         assert materialize([base_model], instance=instance, resources=resources, run_config=QUIET).success
         for k in range(1, args.rounds + 1):
@@ -185,7 +192,9 @@ def measure(args: argparse.Namespace) -> list[Ratio]:
             parts = ", ".join(f"{name} {spent[name]:.1f} s" for name in [*WORK, "asset bodies"])
             parts += f", other bookkeeping {other:.1f} s"
             lines.append(f"round {k}: {wall:.1f} s ({parts})")
-    setting = f"S={args.steps}, B={args.batch}, {args.rounds} round(s); " + "; ".join(lines)
+    base = f", base {args.base}" if args.base else ""
+    setting = f"{args.mode}{base}, S={args.steps}, B={args.batch}, {args.rounds} round(s); "
+    setting += "; ".join(lines)
     return [
         Ratio("Delta I/O / lab round", tuple(tables), 0.02, at_least=False, detail=setting),
         Ratio("Dagster / lab round", tuple(dagster), 0.10, at_least=False),

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from dagster import ConfigurableResource, InitResourceContext
-from pydantic import model_validator
+from pydantic import ValidationInfo, field_validator, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.chat.render import load_tokenizer
@@ -21,7 +21,7 @@ from prodrl_pipeline.envs.puzzles import Puzzle
 from prodrl_pipeline.evals.canary import CanaryConfig
 from prodrl_pipeline.evals.gate import check_gate_settings
 from prodrl_pipeline.model import TinyQwen3Config, pad_id
-from prodrl_pipeline.quant.nvfp4 import QuantFormat, load_deployment
+from prodrl_pipeline.quant.nvfp4 import QUANT_FORMATS, QuantFormat, load_deployment
 from prodrl_pipeline.rl.estimators import EstimatorConfig
 from prodrl_pipeline.rl.trainer import TrainerConfig
 from prodrl_pipeline.rl.warmstart import WarmStartConfig
@@ -41,7 +41,21 @@ def _puzzles(data_dir: str, split: str) -> tuple[Puzzle, ...]:
 EstimatorSettings = config_class(EstimatorConfig, "EstimatorSettings", __name__)
 CanarySettings = config_class(CanaryConfig, "CanarySettings", __name__)
 
+SCHEDULES = ("constant", "cosine")
+"""The warm start's learning-rate schedules (`WarmStartConfig.schedule`)."""
 MODE_DEFAULTS: dict[str, dict[str, object]] = {
+    "structured": {
+        "constrain_moves": True,
+        "max_tokens": 64,
+        "warm_start_steps": 40,
+        "warm_start_puzzles": 250,
+        "warm_start_batch": 64,
+        "warm_start_lr": 2e-3,
+        "warm_start_schedule": "constant",
+        "warm_start_copy_steps": 0,
+        "quant_format": "nvfp4",
+        "lr": 5e-4,
+    },
     "free_text": {
         "constrain_moves": False,
         "max_tokens": 128,
@@ -55,14 +69,17 @@ MODE_DEFAULTS: dict[str, dict[str, object]] = {
         "lr": 1e-4,
     },
 }
-"""The settings a mode defaults differently from the structured mode (the field defaults): a
-free-text turn is unconstrained and runs to ~100 tokens with 20 checks to list, and its warm start
+"""The settings each mode defaults differently: a setting left unset (None) takes its mode's value.
+A free-text turn is unconstrained and runs to ~100 tokens with 20 checks to list, and its warm start
 learns ~52 tokens a turn instead of one choice: twice the updates of half the turns, decayed to 0,
 for the compute of 200 steps of 64, after 300 steps of induction pre-training (~30 s) without which
 the model does not copy the move its reasoning names into its call (docs/lab.md's sweeps); its
 deployments are served W4A4, as Blackwell serves NVFP4; and RL steps at a fifth of the structured
 mode's rate (ten rounds from one base, one run each: +3.5 points held-out at 1e-4, -4.7 at 5e-4,
-docs/lab.md)."""
+docs/lab.md). Unset is None, not absent, because Dagster rebuilds a resource in its run from a
+config that holds every field: a mode default applied only to absent fields was lost there for
+the fields it always passes (the Literal ones) and replaced an explicit setting equal to the
+structured value."""
 
 
 class LabResource(ConfigurableResource):
@@ -87,7 +104,7 @@ class LabResource(ConfigurableResource):
     """How the model answers a turn (envs/chess_env.py, docs/lab.md): `structured`, one sampled
     token a call (the move, constrained to the legal moves, the rest forced); or `free_text`, a
     sampled reasoning segment and call (several-token moves, no constraint), with its own tokenizer
-    and template. Settings it defaults otherwise: `MODE_DEFAULTS`."""
+    and template. The settings left unset (None) take its values in `MODE_DEFAULTS`."""
     data_dir: str = "data"
     """Shipped puzzles (Lichess CSV) and each mode's tokenizer."""
     base_checkpoint: str = ""
@@ -99,22 +116,22 @@ class LabResource(ConfigurableResource):
     num_kv_heads: int = 2
     intermediate_size: int = 384
     model_seed: int = 0
-    warm_start_steps: int = 40
+    warm_start_steps: int | None = None
     """Supervised warm start of the lab's base model on solved transcripts of the `warmup` puzzles
     (0 keeps the random initialisation). Ignored with `base_checkpoint`."""
-    warm_start_puzzles: int = 250
+    warm_start_puzzles: int | None = None
     """Demonstrations for the warm start: the first N warmup puzzles (0 = all 4,974). A small set
     learned to a peak leaves the base decent and peaked, with room for RL on traffic (250: 15.6%
     held-out, and three rounds gain ~6 points; 500: 20.8%, ~3 points; docs/lab.md)."""
-    warm_start_lr: float = 2e-3
-    warm_start_batch: int = 64
+    warm_start_lr: float | None = None
+    warm_start_batch: int | None = None
     """Player turns per warm-start step."""
-    warm_start_schedule: Literal["constant", "cosine"] = "constant"
+    warm_start_schedule: str | None = None
     """The warm start's learning rate over its steps: constant, or a cosine decay to 0."""
-    warm_start_copy_steps: int = 0
+    warm_start_copy_steps: int | None = None
     """Induction pre-training steps before the warm start (random sequences written twice, ~0.1 s
     a step): the free-text model then copies the move its reasoning names into its call."""
-    quant_format: QuantFormat = "nvfp4"
+    quant_format: str | None = None
     """How deployments are exported and served: NVFP4 weights with fp32 activations (`nvfp4`, Hopper's
     W4A16), NVFP4 weights and activations (`nvfp4_w4a4`, Blackwell's W4A4, emulated: quant/w4a4.py;
     the free-text mode's default) or full precision (`none`). Recorded in each deployment's registry
@@ -125,10 +142,10 @@ class LabResource(ConfigurableResource):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int = 64
+    max_tokens: int | None = None
     top_logprobs: int = 20
     """K: head of mu recorded per position."""
-    constrain_moves: bool = True
+    constrain_moves: bool | None = None
     """Structured outputs: the move argument is limited to the listed legal moves (free_text mode:
     a required `move` call once the reasoning has ended; off by default there)."""
     partial_credit: bool = False
@@ -154,7 +171,7 @@ class LabResource(ConfigurableResource):
     """S: optimizer steps per round."""
     batch_size: int = 64
     """B: trajectories per step; a round collects S*B."""
-    lr: float = 5e-4
+    lr: float | None = None
     warmup_steps: int = 16
     """Linear learning-rate warm-up over the run's first optimizer steps (0: none)."""
     grad_clip: float = 1.0
@@ -200,10 +217,20 @@ class LabResource(ConfigurableResource):
     @model_validator(mode="before")
     @classmethod
     def _mode_defaults(cls, data: object) -> object:
-        """A setting the mode defaults otherwise (`MODE_DEFAULTS`) takes that default unless given."""
+        """Each setting its mode defaults (`MODE_DEFAULTS`) takes that default when unset (None)."""
         if isinstance(data, dict):
-            return {**MODE_DEFAULTS.get(data.get("mode", "structured"), {}), **data}
+            defaults = MODE_DEFAULTS.get(data.get("mode") or "structured", {})
+            return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
         return data
+
+    @field_validator("warm_start_schedule", "quant_format")
+    @classmethod
+    def _one_of(cls, value: str, info: ValidationInfo) -> str:
+        """The choices of these two (typed str for Dagster, which has no optional Literal config)."""
+        choices = SCHEDULES if info.field_name == "warm_start_schedule" else QUANT_FORMATS
+        if value not in choices:
+            raise ValueError(f"{info.field_name} must be one of {', '.join(choices)}; got {value!r}")
+        return value
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         """A run's settings, whatever set them (the settings file, the launchpad's run config, the

@@ -222,3 +222,27 @@ def test_the_free_text_mode_defaults_its_own_settings_and_an_explicit_one_wins()
     assert (structured.lr, structured.quant_format, structured.constrain_moves) == (5e-4, "nvfp4", True)
     chosen = LabResource(mode="free_text", lr=5e-4, quant_format="nvfp4")
     assert (chosen.lr, chosen.quant_format) == (5e-4, "nvfp4")
+
+
+def test_a_dagster_run_gets_each_mode_default_and_keeps_an_explicit_structured_value():
+    """Dagster rebuilds the resource in its run from a config holding every field: the mode's
+    defaults (the Literal ones too) arrive there, and an explicit value equal to the structured
+    mode's is not replaced by the free-text one."""
+    from dagster import asset, materialize  # noqa: PLC0415
+
+    from resources.lab import MODE_DEFAULTS  # noqa: PLC0415
+
+    seen = []
+
+    @asset
+    def settings_in_run(lab: LabResource) -> None:
+        seen.append({k: getattr(lab, k) for k in MODE_DEFAULTS["free_text"]})
+
+    explicit = {"lr": 5e-4, "quant_format": "nvfp4", "warm_start_schedule": "constant"}
+    for lab in (LabResource(mode="free_text"), LabResource(), LabResource(mode="free_text", **explicit)):
+        assert materialize([settings_in_run], resources={"lab": lab}).success
+    assert seen == [
+        MODE_DEFAULTS["free_text"],
+        MODE_DEFAULTS["structured"],
+        {**MODE_DEFAULTS["free_text"], **explicit},
+    ]

@@ -1,5 +1,6 @@
 """Cross-round lineage as data (docs/operations.md): the checkpoint registry (with parent pointers) and
-the deployments registry (with the explicit `live` pointer only the deployment asset moves)."""
+the deployments registry, with its explicit `live` pointer, moved by a compare-and-set (the base
+model, a round's deploy gate, a canary's promotion, the gateway's own base)."""
 
 from __future__ import annotations
 

@@ -449,8 +449,9 @@ class DeltaStore:
     def update(self, table: str, dt: DeltaTable, updates: Mapping[str, str], note: Mapping[str, str]) -> None:
         """Set `updates` (column: SQL expression over the row) on every row of `dt`, `table` as
         this store opened it with `table()`, in one commit noted with `note`. The commit raises
-        CommitFailedError when another writer committed since `dt`'s version: a compare-and-set
-        of the whole table against what was read at that version."""
+        CommitFailedError when another writer removed or rewrote a file of `dt`'s version since
+        (another update, an overwrite, a compaction); rows only appended since are rebased over
+        and left as they were written."""
         dt.update(
             updates=dict(updates),
             commit_properties=self._commit(note),

@@ -1,4 +1,4 @@
-"""The store's live pointer (compare-and-set over the deployments registry), its maintenance, its
+"""The registry's live pointer (compare-and-set over the deployments table), its maintenance, its
 lineage and its error messages, pinned by what a caller reads: exact messages, counts, versions,
 commit metadata and the files left on disk."""
 
