@@ -75,11 +75,11 @@ learns ~52 tokens a turn instead of one choice: twice the updates of half the tu
 for the compute of 200 steps of 64, after 300 steps of induction pre-training (~30 s) without which
 the model does not copy the move its reasoning names into its call (docs/lab.md's sweeps); its
 deployments are served W4A4, as Blackwell serves NVFP4; and RL steps at a fifth of the structured
-mode's rate (ten rounds from one base, one run each: +3.5 points held-out at 1e-4, -4.7 at 5e-4,
-docs/lab.md). Unset is None, not absent, because Dagster rebuilds a resource in its run from a
-config that holds every field: a mode default applied only to absent fields was lost there for
-the fields it always passes (the Literal ones) and replaced an explicit setting equal to the
-structured value."""
+mode's rate (ten rounds from one base served W4A16, one run each: +3.5 points held-out at 1e-4,
+-4.7 at 5e-4; docs/lab.md). Unset is None, not absent, because Dagster rebuilds a resource in its
+run from a config that holds every field: a mode default applied only to absent fields was lost
+there for the fields it always passes (the Literal ones) and replaced an explicit setting equal to
+the structured value."""
 
 
 class LabResource(ConfigurableResource):
