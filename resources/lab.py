@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args, get_type_hints
 
 from dagster import ConfigurableResource, InitResourceContext
 from pydantic import ValidationInfo, field_validator, model_validator
@@ -41,8 +41,8 @@ def _puzzles(data_dir: str, split: str) -> tuple[Puzzle, ...]:
 EstimatorSettings = config_class(EstimatorConfig, "EstimatorSettings", __name__)
 CanarySettings = config_class(CanaryConfig, "CanarySettings", __name__)
 
-SCHEDULES = ("constant", "cosine")
-"""The warm start's learning-rate schedules (`WarmStartConfig.schedule`)."""
+SCHEDULES: tuple[str, ...] = get_args(get_type_hints(WarmStartConfig)["schedule"])
+"""The warm start's learning-rate schedules."""
 MODE_DEFAULTS: dict[str, dict[str, object]] = {
     "structured": {
         "constrain_moves": True,
@@ -79,7 +79,7 @@ mode's rate (ten rounds from one base served W4A16, one run each: +3.5 points he
 -4.7 at 5e-4; docs/lab.md). Unset is None, not absent, because Dagster rebuilds a resource in its
 run from a config that holds every field: a mode default applied only to absent fields was lost
 there for the fields it always passes (the Literal ones) and replaced an explicit setting equal to
-the structured value."""
+the structured value. Dagster's launchpad shows these settings as null: the mode's value."""
 
 
 class LabResource(ConfigurableResource):
@@ -228,8 +228,8 @@ class LabResource(ConfigurableResource):
     def _one_of(cls, value: str, info: ValidationInfo) -> str:
         """The choices of these two (typed str for Dagster, which has no optional Literal config)."""
         choices = SCHEDULES if info.field_name == "warm_start_schedule" else QUANT_FORMATS
-        if value not in choices:
-            raise ValueError(f"{info.field_name} must be one of {', '.join(choices)}; got {value!r}")
+        if value is not None and value not in choices:  # None: an invalid mode, refused on its own
+            raise ValueError(f"{info.field_name} must be one of {', '.join(choices)}, got {value!r}")
         return value
 
     def setup_for_execution(self, context: InitResourceContext) -> None:

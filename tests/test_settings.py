@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from typing import get_args
 
 import pytest
 import yaml
@@ -142,10 +143,11 @@ def test_the_gateway_serves_the_settings_store_tokenizer_and_recorded_head(tmp_p
         gateway_env({"PRODRL_SETTINGS": str(path)})
 
 
-LAB_NUMBERS = [
+LAB_NUMBERS = [  # numeric settings, the mode-defaulted ones (`int | None`: None is the mode's) too
     name
     for name, field in LabResource.model_fields.items()
-    if field.annotation in (int, float) and name not in ("seed", "model_seed")
+    if set(get_args(field.annotation) or [field.annotation]) - {type(None)} in ({int}, {float})
+    and name not in ("seed", "model_seed")
 ]
 SETTING = st.one_of(
     st.none(),
@@ -238,11 +240,11 @@ def test_a_dagster_run_gets_each_mode_default_and_keeps_an_explicit_structured_v
     def settings_in_run(lab: LabResource) -> None:
         seen.append({k: getattr(lab, k) for k in MODE_DEFAULTS["free_text"]})
 
+    assert {"lr", "max_tokens", "warm_start_steps"} <= set(LAB_NUMBERS)  # the fuzz above covers them
     explicit = {"lr": 5e-4, "quant_format": "nvfp4", "warm_start_schedule": "constant"}
     for lab in (LabResource(mode="free_text"), LabResource(), LabResource(mode="free_text", **explicit)):
         assert materialize([settings_in_run], resources={"lab": lab}).success
-    assert seen == [
-        MODE_DEFAULTS["free_text"],
-        MODE_DEFAULTS["structured"],
-        {**MODE_DEFAULTS["free_text"], **explicit},
-    ]
+    switched = {"resources": {"lab": {"config": {"mode": "free_text"}}}}  # the launchpad's run config
+    assert materialize([settings_in_run], resources={"lab": LabResource()}, run_config=switched).success
+    free, structured = MODE_DEFAULTS["free_text"], MODE_DEFAULTS["structured"]
+    assert seen == [free, structured, {**free, **explicit}, free]
