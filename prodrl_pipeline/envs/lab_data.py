@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import chess
@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from prodrl_pipeline.envs.chat import train_free_text_tokenizer, train_tokenizer
 from prodrl_pipeline.envs.chess_env import ChessEpisode, Mode, answer_message, legal_move_texts, move_text
-from prodrl_pipeline.envs.puzzle_gen import balance_kinds, generate
+from prodrl_pipeline.envs.puzzle_gen import balance_kinds, generate, spawned_map
 from prodrl_pipeline.envs.puzzles import Puzzle, puzzle_stats, read_puzzles, write_puzzles
 
 TRAIN_CSV, WARMUP_CSV, HELDOUT_CSV = "puzzles/train.csv", "puzzles/warmup.csv", "puzzles/heldout.csv"
@@ -47,8 +47,7 @@ def solved_transcript(puzzle: Puzzle, mode: Mode = "structured") -> tuple[list[d
 
 def _corpus(puzzles: list[Puzzle], mode: Mode, processes: int = 2) -> tuple[list[str], set[str]]:
     """The texts of every solved transcript in `mode` and the move strings they show (in puzzle order)."""
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:  # not forked: puzzle_gen.generate
-        transcripts = pool.starmap(solved_transcript, [(p, mode) for p in puzzles], chunksize=64)
+    transcripts = spawned_map(partial(solved_transcript, mode=mode), puzzles, processes, chunksize=64)
     texts, moves = [], set()
     for messages, shown in transcripts:
         moves |= shown

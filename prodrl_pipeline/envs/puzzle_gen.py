@@ -9,8 +9,9 @@ import hashlib
 import math
 import multiprocessing
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import chess
 
@@ -215,6 +216,26 @@ def balance_kinds(puzzles: list[Puzzle]) -> list[Puzzle]:
     return [p for i, p in enumerate(puzzles) if i in keep]
 
 
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def spawned_map(fn: Callable[[T], R], args: list[T], processes: int, chunksize: int) -> list[R]:
+    """`map(fn, args)` in a pool of `processes` spawned workers. Spawned, not forked: a fork of a
+    process with threads (torch's, a test runner's) can inherit a lock another thread holds and wait
+    on it forever. Closed and joined, not terminated: a worker exits on the pool's end-of-work
+    message, whereas terminate's SIGTERM is lost on one that inherited SIGTERM ignored (a test
+    runner's worker can have it so) and is still starting, and then the pool waits on it forever."""
+    pool = multiprocessing.get_context("spawn").Pool(processes)
+    try:
+        results = pool.map(fn, args, chunksize=chunksize)
+        pool.close()
+        pool.join()
+        return results
+    finally:
+        pool.terminate()
+
+
 def generate(
     n_games: int,
     seed: int = 0,
@@ -231,13 +252,9 @@ def generate(
     n_chunks = max(processes * 8, n_games // 20)
     chunks = [list(range(i, n_games, n_chunks)) for i in range(n_chunks)]
     args = [(c, seed, max_plies, mate_in_two) for c in chunks]
-    if processes > 1:
-        # spawned, not forked: a fork of a process with threads (torch's, a test runner's) can
-        # inherit a lock held by another thread and wait on it forever
-        with multiprocessing.get_context("spawn").Pool(processes) as pool:
-            results = pool.map(_worker, args, chunksize=1)
-    else:
-        results = [_worker(a) for a in args]
+    results = (
+        spawned_map(_worker, args, processes, chunksize=1) if processes > 1 else list(map(_worker, args))
+    )
     seen: set[str] = set()
     splits: dict[str, list[Puzzle]] = {s: [] for s in SPLITS}
     for p in sorted((p for r in results for p in r), key=lambda p: (p.extra["game"], p.puzzle_id)):

@@ -449,9 +449,9 @@ class DeltaStore:
     def update(self, table: str, dt: DeltaTable, updates: Mapping[str, str], note: Mapping[str, str]) -> None:
         """Set `updates` (column: SQL expression over the row) on every row of `dt`, `table` as
         this store opened it with `table()`, in one commit noted with `note`. The commit raises
-        CommitFailedError when another writer removed or rewrote a file of `dt`'s version since
-        (another update, an overwrite, a compaction); rows only appended since are rebased over
-        and left as they were written."""
+        CommitFailedError when another writer committed to the table since `dt`'s version
+        (deltalake 1.6 refuses an update over appended rows as over rewritten files). `updates`
+        is SQL: the caller validates any value it writes into it (e.g. `SAFE_ID`)."""
         dt.update(
             updates=dict(updates),
             commit_properties=self._commit(note),

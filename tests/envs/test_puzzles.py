@@ -1,6 +1,8 @@
 import math
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import chess
@@ -249,6 +251,21 @@ def test_heuristic_games_are_deterministic_and_varied():
 
 def test_generation_does_not_depend_on_processes():
     assert generate(6, seed=9, processes=1) == generate(6, seed=9, processes=2)
+
+
+def test_the_spawned_pool_ends_where_sigterm_is_ignored():
+    """A test runner's worker can ignore SIGTERM, and spawned workers inherit that: a pool ended by
+    terminate's SIGTERM then waited forever on a worker still starting (about one run in two, as
+    this test hung puzzle generation); `spawned_map` ends its pool by the end-of-work message."""
+    code = (
+        "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "from prodrl_pipeline.envs.puzzle_gen import spawned_map\n"
+        "if __name__ == '__main__':\n"
+        "    print([spawned_map(abs, [-k], 2, 1) for k in range(4)])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "[[0], [1], [2], [3]]", out.stderr
 
 
 def test_generated_puzzles_follow_the_convention(sample):
